@@ -1,0 +1,190 @@
+"""Agent process: owns one device's model and KV cache and serves step commands over ZeroMQ.
+
+Module import stays light (no mindspore) so the launcher can name `agent_process` as a spawn target.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import zmq
+
+from shm import protocol as P
+from shm.arena import Arena, ArenaSpec, Segment
+from shm.transport import _pid_alive, load_step_frames
+
+log = logging.getLogger("llm_serving.agent")
+IDLE_POLL_MS = 500
+REMOTE_IDLE_TIMEOUT_S = 30.0  # a tcp server that sent nothing (not even heartbeats) this long is gone
+
+
+class AgentServer:
+    def __init__(self, address: str, runner: Any, info: dict[str, Any]):
+        self.address, self.runner, self.info = address, runner, info
+        self.arena: Arena | None = None
+        self.segment: Segment | None = None
+        self.server_pid: int | None = None
+        self.last_msg = time.monotonic()
+        self.exiting = False
+
+    # ------------------------------------------------------------ attachment
+    def _attached_to_live_server(self) -> bool:
+        if self.arena is None:
+            return False
+        if self.server_pid is not None and self.segment is not None:
+            return _pid_alive(self.server_pid)
+        return time.monotonic() - self.last_msg < REMOTE_IDLE_TIMEOUT_S
+
+    def _detach(self) -> None:
+        self.arena = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self.server_pid = None
+        self.runner.reset()
+
+    def _attach(self, h: dict[str, Any]) -> dict[str, Any]:
+        if self._attached_to_live_server() and h["server_pid"] != self.server_pid:
+            raise RuntimeError("already connected to another server")
+        self._detach()
+        spec = ArenaSpec.from_wire(h["spec"])
+        if h["arena"]:
+            self.segment = Segment(h["arena"])
+            self.arena = Arena(spec, self.segment.buf)
+        else:
+            self.arena = Arena.private(spec)
+        self.server_pid = h["server_pid"]
+        return {**self.info, "pid": os.getpid()}
+
+    # ------------------------------------------------------------ commands
+    def _step(self, msg: P.Message) -> tuple[dict[str, Any], list[bytes]]:
+        if self.arena is None:
+            raise RuntimeError("step before handshake")
+        h, spec = msg.header, self.arena.spec
+        n_tokens, n_rows, width = h["n_tokens"], h["n_rows"], h["width"]
+        if n_tokens > spec.max_tokens or n_rows > spec.max_rows or width > spec.max_blocks:
+            raise ValueError(f"step ({n_tokens} tokens, {n_rows} rows, width {width}) exceeds the arena")
+        if self.segment is None:
+            load_step_frames(self.arena, msg)
+        v = self.arena.views(n_tokens, n_rows, width)
+        self._check_ranges(v)
+        model_s = self.runner.step(v, h["free"])
+        frames = [] if self.segment is not None else self.arena.output_frames(n_rows)
+        return {"model_s": model_s}, frames
+
+    def _check_ranges(self, v: dict[str, np.ndarray]) -> None:
+        rc, vocab = self.runner.rc, self.runner.cfg.vocab_size
+        checks = (("tokens", vocab), ("slots", rc.num_blocks * rc.block_size),
+                  ("block_tables", rc.num_blocks), ("positions", rc.max_model_len))
+        for name, bound in checks:
+            a = v[name]
+            if a.size and (a.min() < 0 or a.max() >= bound):
+                raise ValueError(f"{name} out of range [0, {bound})")
+        if np.any(v["n_logprobs"] > v["out_top_ids"].shape[1]):
+            raise ValueError("n_logprobs above the maximum")
+
+    def handle(self, parts: list[bytes]) -> list[bytes]:
+        """Never raises: malformed input or a failed step becomes an error reply."""
+        try:
+            msg = P.decode(parts)
+        except P.ProtocolError as exc:
+            return P.encode_reply(False, {"error": f"protocol: {exc}", "id": None})
+        mid = msg.header.get("id")
+        try:
+            frames: list[bytes] = []
+            if msg.cmd == P.HANDSHAKE:
+                body = self._attach(msg.header)
+            elif msg.cmd in P.STEP_COMMANDS:
+                body, frames = self._step(msg)
+            elif msg.cmd == P.RESET:
+                self.runner.reset()
+                body = {}
+            elif msg.cmd == P.EXIT:
+                self.exiting = True
+                body = {}
+            else:  # heartbeat
+                body = {"pid": os.getpid(), "attached": self.arena is not None}
+            return P.encode_reply(True, {**body, "id": mid}, frames)
+        except Exception as exc:  # the agent keeps serving; the server decides what fails
+            log.warning("command %r failed: %s", msg.cmd, exc)
+            log.debug("%s", traceback.format_exc())
+            return P.encode_reply(False, {"error": f"{type(exc).__name__}: {exc}", "id": mid})
+
+    def serve(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.address.startswith("ipc://"):
+            path = self.address[len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)  # left behind by a killed agent
+        sock.bind(self.address)
+        log.info("agent ready on %s", self.address)
+        try:
+            while not self.exiting:
+                if sock.poll(IDLE_POLL_MS):  # blocks: no busy-spin while idle
+                    ident, *parts = sock.recv_multipart()
+                    self.last_msg = time.monotonic()
+                    sock.send_multipart([ident, *self.handle(parts)])
+                elif self.arena is not None and not self._attached_to_live_server():
+                    log.info("server went away; exiting")
+                    break
+        finally:
+            self._detach()
+            sock.close(0)
+
+
+def _pin(index: int, cores: list[list[int]]) -> None:
+    avail = sorted(os.sched_getaffinity(0))
+    if cores and index < len(cores):
+        want = cores[index]
+    else:
+        want = avail  # one agent: all cores; MindSpore must not share them with another busy process
+    os.sched_setaffinity(0, [c for c in want if c in avail] or avail)
+
+
+def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]) -> None:
+    """Spawn target: load the model for device `start_device_id + index`, then serve."""
+    logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG", "INFO"),
+                        format=f"%(asctime)s agent{index} %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    from server.config import load_config
+
+    cfg = load_config(config_path, **overrides)
+    _pin(index, cfg.agent_cores)
+    os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
+    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore  # imports mindspore first
+
+    setup_mindspore(cfg.compile_cache_dir)
+    from agent.weights import load_model
+    from server.model_files import resolve_model
+    from shm.transport import agent_address
+
+    t0 = time.monotonic()
+    model_cfg, weights = load_model(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.max_model_len)
+    rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+                      decode_buckets=cfg.decode_buckets, prefill_buckets=cfg.prefill_buckets,
+                      max_prefill_rows=cfg.max_prefill_rows, context_buckets=cfg.context_buckets)
+    runner = ModelRunner(model_cfg, weights, rc, seed=index)
+    del weights
+    if cfg.warmup:
+        runner.warmup(default_warmup_shapes(rc))
+    log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
+    info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
+            "max_model_len": rc.max_model_len, "num_blocks": rc.num_blocks, "block_size": rc.block_size,
+            "device_id": cfg.start_device_id + index}
+    AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info).serve()
+
+
+def default_warmup_shapes(rc: Any) -> list[tuple[int, int, int]]:
+    """Smallest and largest decode batch and the smallest prefill chunk at the shortest context;
+    other shapes compile on first use (and come from the on-disk compile cache afterwards)."""
+    ctx = rc.context_buckets[0]
+    shapes = {(1, 1, ctx), (rc.decode_buckets[-1], 1, ctx), (1, rc.prefill_buckets[0], ctx)}
+    return sorted(shapes)

@@ -1,0 +1,184 @@
+"""Llama-family decoder in MindSpore primitives that exist on CPU, GPU and Ascend.
+
+One forward serves prefill chunks and decode. Inputs are laid out as ``P`` rows of ``Q`` query
+tokens (decode: Q == 1); each row attends over its own paged context, gathered from a flat per-layer
+KV cache by block table. New K/V rows are written with ``ops.scatter_update`` by slot, which is
+O(tokens) — every other write form copies the whole cache each step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    max_position: int = 4096
+    bos_token_id: int | None = 1
+    eos_token_ids: list[int] = field(default_factory=lambda: [2])
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies, with Llama-3 style frequency scaling when configured."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "llama3":
+        factor = sc["factor"]
+        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv
+
+
+def rope_tables(cfg: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [max_position, head_dim] in the rotate-half (Hugging Face) layout."""
+    ang = np.outer(np.arange(cfg.max_position, dtype=np.float64), rope_inv_freq(cfg))
+    ang = np.concatenate([ang, ang], axis=-1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class LlamaModel(nn.Cell):
+    """Weights are Hugging Face-named float32 numpy arrays (``model.layers.0.self_attn.q_proj.weight``...)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], num_slots: int, block_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.block_size = block_size
+        self.num_slots = num_slots
+        h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = h * hd, kv * hd
+        self.group = h // kv
+        self.scale = 1.0 / math.sqrt(hd)
+
+        def param(name: str, arr: np.ndarray) -> Parameter:
+            # Linear weights are stored [in, out]: MindSpore CPU's transpose_b matmul is ~3x slower.
+            return Parameter(Tensor(np.ascontiguousarray(arr, dtype=np.float32)), name=name, requires_grad=False)
+
+        w = weights
+        self.embed = param("embed", w["model.embed_tokens.weight"])
+        head = w.get("lm_head.weight")
+        if head is None or cfg.tie_word_embeddings:
+            head = w["model.embed_tokens.weight"]
+        self.lm_head = param("lm_head", head.T)
+        self.final_norm = param("final_norm", w["model.norm.weight"])
+        cos, sin = rope_tables(cfg)
+        self.cos_table = param("cos_table", cos)
+        self.sin_table = param("sin_table", sin)
+        attn_norm, mlp_norm, qkv, o, gate_up, down, kc, vc = [], [], [], [], [], [], [], []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn_norm.append(param(f"attn_norm{i}", w[p + "input_layernorm.weight"]))
+            mlp_norm.append(param(f"mlp_norm{i}", w[p + "post_attention_layernorm.weight"]))
+            # Fused projections: one GEMM for Q|K|V and one for gate|up.
+            qkv.append(param(f"qkv{i}", np.concatenate(
+                [w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0).T))
+            o.append(param(f"o{i}", w[p + "self_attn.o_proj.weight"].T))
+            gate_up.append(param(f"gate_up{i}", np.concatenate(
+                [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0).T))
+            down.append(param(f"down{i}", w[p + "mlp.down_proj.weight"].T))
+            kc.append(param(f"k_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
+            vc.append(param(f"v_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
+        self.attn_norm = ms.ParameterTuple(attn_norm)
+        self.mlp_norm = ms.ParameterTuple(mlp_norm)
+        self.qkv = ms.ParameterTuple(qkv)
+        self.o = ms.ParameterTuple(o)
+        self.gate_up = ms.ParameterTuple(gate_up)
+        self.down = ms.ParameterTuple(down)
+        self.k_cache = ms.ParameterTuple(kc)
+        self.v_cache = ms.ParameterTuple(vc)
+        self.bmm = ops.BatchMatMul()
+
+    def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
+        var = ops.mean(x * x, -1, keep_dims=True)
+        return x * ops.rsqrt(var + self.cfg.rms_eps) * weight
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = self.cfg.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + ops.concat((-x2, x1), -1) * sin
+
+    def construct(self, tokens: Tensor, positions: Tensor, slots: Tensor, block_tables: Tensor,
+                  logit_rows: Tensor) -> Tensor:
+        """tokens/positions [P, Q] int32; slots [P*Q] int32; block_tables [P, W] int32;
+        logit_rows [R] int32 flat indices into P*Q. Returns logits [R, vocab] and their
+        log-sum-exp [R] (for log-probabilities without a second pass over the vocabulary)."""
+        cfg = self.cfg
+        p_rows, q_len = tokens.shape
+        n = p_rows * q_len
+        kv, hd, grp = cfg.num_kv_heads, cfg.head_dim, self.group
+        ctx = block_tables.shape[1] * self.block_size
+
+        pos = positions.reshape(-1)
+        cos = ops.gather(self.cos_table, pos, 0).reshape(n, 1, hd)
+        sin = ops.gather(self.sin_table, pos, 0).reshape(n, 1, hd)
+        # Cache slot of every context position of every row, in position order.
+        offs = ops.arange(self.block_size, dtype=ms.int32)
+        ctx_slots = (block_tables.reshape(p_rows, -1, 1) * self.block_size + offs).reshape(-1)
+        key_pos = ops.arange(ctx, dtype=ms.int32).reshape(1, 1, 1, 1, ctx)
+        visible = key_pos <= positions.reshape(p_rows, 1, 1, q_len, 1)
+        bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
+                          ops.full_like(visible, NEG_INF, dtype=ms.float32))
+
+        x = ops.gather(self.embed, tokens.reshape(-1), 0)
+        for i in range(cfg.num_layers):
+            h = self._rms(x, self.attn_norm[i])
+            qkv = ops.matmul(h, self.qkv[i])
+            q = qkv[:, :self.q_size].reshape(n, cfg.num_heads, hd)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(n, kv, hd)
+            v = qkv[:, self.q_size + self.kv_size:].reshape(n, kv, hd)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            k_cache = ops.scatter_update(self.k_cache[i], slots, k)
+            v_cache = ops.scatter_update(self.v_cache[i], slots, v)
+            keys = ops.gather(k_cache, ctx_slots, 0).reshape(p_rows, ctx, kv, hd).transpose(0, 2, 3, 1)
+            vals = ops.gather(v_cache, ctx_slots, 0).reshape(p_rows, ctx, kv, hd).transpose(0, 2, 1, 3)
+            qg = q.reshape(p_rows, q_len, kv, grp, hd).transpose(0, 2, 3, 1, 4).reshape(p_rows, kv, grp * q_len, hd)
+            scores = self.bmm(qg, keys).reshape(p_rows, kv, grp, q_len, ctx) * self.scale + bias
+            probs = ops.softmax(scores, -1).reshape(p_rows, kv, grp * q_len, ctx)
+            attn = self.bmm(probs, vals).reshape(p_rows, kv, grp, q_len, hd)
+            attn = attn.transpose(0, 3, 1, 2, 4).reshape(n, self.q_size)
+            x = x + ops.matmul(attn, self.o[i])
+            h = self._rms(x, self.mlp_norm[i])
+            gu = ops.matmul(h, self.gate_up[i])
+            gate, up = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+            x = x + ops.matmul(ops.silu(gate) * up, self.down[i])
+        x = ops.gather(x, logit_rows, 0)
+        logits = ops.matmul(self._rms(x, self.final_norm), self.lm_head)
+        peak = logits.max(-1, keepdims=True)
+        lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
+        return logits, lse

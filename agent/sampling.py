@@ -1,0 +1,120 @@
+"""Per-row sampling on the agent: greedy, temperature, top-k, top-p, min-p, penalties, seeds, logprobs.
+
+Greedy rows and chosen-token logprobs are vectorised. Sampled rows never sort the full vocabulary:
+candidates come from ``argpartition``; top-p widens the candidate set only when its mass falls short.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TOP_P_CANDIDATES = 256
+
+
+@dataclass
+class SamplingRows:
+    """Sampling parameters of R rows (views into the step arena)."""
+    temperature: np.ndarray  # float32 [R]; 0 = greedy
+    top_k: np.ndarray  # int32 [R]; 0 = off
+    top_p: np.ndarray  # float32 [R]; 1 = off
+    min_p: np.ndarray  # float32 [R]; 0 = off
+    repetition_penalty: np.ndarray  # float32 [R]; 1 = off
+    presence_penalty: np.ndarray  # float32 [R]
+    frequency_penalty: np.ndarray  # float32 [R]
+    seed: np.ndarray  # int64 [R]; -1 = unseeded
+    n_logprobs: np.ndarray  # int32 [R]
+    prompt_len: np.ndarray  # int32 [R]
+    output_len: np.ndarray  # int32 [R]; tokens generated so far (seeds the per-step RNG)
+
+
+@dataclass
+class SampleResult:
+    ids: np.ndarray  # int32 [R]
+    logprobs: np.ndarray  # float32 [R]
+    top_ids: np.ndarray  # int32 [R, n]
+    top_logprobs: np.ndarray  # float32 [R, n]
+
+
+def needs_penalty(p: SamplingRows) -> np.ndarray:
+    return (p.repetition_penalty != 1.0) | (p.presence_penalty != 0.0) | (p.frequency_penalty != 0.0)
+
+
+def apply_penalties(row: np.ndarray, history: np.ndarray, prompt_len: int, rep: float, pres: float,
+                    freq: float) -> None:
+    """In place. Repetition penalty over prompt+output (as in HF/vLLM); presence/frequency over output."""
+    if rep != 1.0 and history.size:
+        seen = np.unique(history)
+        vals = row[seen]
+        row[seen] = np.where(vals > 0, vals / rep, vals * rep)
+    out = history[prompt_len:]
+    if out.size and (pres or freq):
+        ids, counts = np.unique(out, return_counts=True)
+        row[ids] -= pres + freq * counts
+
+
+def _nucleus(probs: np.ndarray, cand: np.ndarray, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates sorted by probability, cut by min-p and top-p; returns (ids, renormalised probs)."""
+    p = probs[cand]
+    order = np.argsort(-p, kind="stable")
+    cand, p = cand[order], p[order]
+    keep = np.ones(p.size, bool)
+    if min_p > 0:
+        keep &= p >= min_p * p[0]
+    if top_p < 1.0:
+        keep &= (np.cumsum(p) - p) < top_p  # keeps the token that crosses top_p
+    cand, p = cand[keep], p[keep]
+    return cand, p / p.sum()
+
+
+def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
+                rng: np.random.Generator) -> int:
+    z = logits.astype(np.float64) / temperature
+    z -= z.max()
+    probs = np.exp(z)
+    probs /= probs.sum()
+    vocab = probs.size
+    if 0 < top_k < vocab:
+        cand = np.argpartition(-probs, top_k - 1)[:top_k]
+    elif top_p < 1.0 or min_p > 0:
+        cand = np.argpartition(-probs, TOP_P_CANDIDATES - 1)[:TOP_P_CANDIDATES]
+        if probs[cand].sum() < top_p:  # rare: flat distribution, fall back to the exact full set
+            cand = np.arange(vocab)
+    else:
+        return int(rng.choice(vocab, p=probs))
+    ids, p = _nucleus(probs, cand, top_p, min_p)
+    return int(ids[rng.choice(ids.size, p=p)])
+
+
+def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingRows, histories: list[np.ndarray | None],
+           rng: np.random.Generator) -> SampleResult:
+    """logits [R, V] float32 (modified in place by penalties), lse [R] its log-sum-exp per row.
+
+    Reported logprobs are the model's raw log-probabilities (before penalties and temperature),
+    as vLLM reports by default."""
+    rows = logits.shape[0]
+    max_n = int(params.n_logprobs.max(initial=0))
+    top_ids = np.zeros((rows, max_n), np.int32)
+    top_lps = np.zeros((rows, max_n), np.float32)
+    for r in np.nonzero(params.n_logprobs)[0]:
+        n = int(params.n_logprobs[r])
+        best = np.argpartition(-logits[r], n - 1)[:n]
+        best = best[np.argsort(-logits[r, best], kind="stable")]
+        top_ids[r, :n] = best
+        top_lps[r, :n] = logits[r, best] - lse[r]
+    raw = logits.copy() if np.any(needs_penalty(params)) else logits
+
+    for r in np.nonzero(needs_penalty(params))[0]:
+        hist = histories[r]
+        if hist is not None:
+            apply_penalties(logits[r], hist, int(params.prompt_len[r]), float(params.repetition_penalty[r]),
+                            float(params.presence_penalty[r]), float(params.frequency_penalty[r]))
+    ids = np.argmax(logits, axis=-1).astype(np.int32)
+    for r in np.nonzero(params.temperature > 0)[0]:
+        seed = int(params.seed[r])
+        # Stateless per-step stream: reproducible across preemption and agent changes.
+        row_rng = np.random.default_rng([seed, int(params.output_len[r])]) if seed >= 0 else rng
+        ids[r] = _sample_row(logits[r], float(params.temperature[r]), int(params.top_k[r]),
+                             float(params.top_p[r]), float(params.min_p[r]), row_rng)
+    logprobs = (raw[np.arange(rows), ids] - lse).astype(np.float32)
+    return SampleResult(ids, logprobs, top_ids, top_lps)

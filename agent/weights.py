@@ -1,0 +1,159 @@
+"""Load Llama weights into Hugging Face names as float32 numpy arrays, plus the LlamaConfig."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from agent.model import LlamaConfig
+from server.model_files import ModelFiles
+
+Weights = dict[str, np.ndarray]
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_MF_LAYER = {
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+}
+_MF_TOP = {"model.tok_embeddings.embedding_weight": "model.embed_tokens.weight",
+           "model.norm_out.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def load_model(files: ModelFiles, max_position: int | None = None) -> tuple[LlamaConfig, Weights]:
+    loaders = {"gguf": _load_gguf, "hf": _load_hf, "mindformers": _load_mindformers}
+    cfg, weights = loaders[files.kind](files)
+    if max_position:
+        cfg.max_position = max_position
+    return cfg, weights
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp)
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time Q/K row permutation (interleaved -> rotate-half rope)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(files.path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    names = {t.name for t in reader.tensors}
+    eos = reader.fields["tokenizer.ggml.eos_token_id"].contents()
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    cfg = LlamaConfig(
+        vocab_size=int(meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)),
+        hidden_size=meta["llama.embedding_length"], intermediate_size=meta["llama.feed_forward_length"],
+        num_layers=meta["llama.block_count"], num_heads=heads, num_kv_heads=kv_heads,
+        rms_eps=meta["llama.attention.layer_norm_rms_epsilon"],
+        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
+        tie_word_embeddings="output.weight" not in names,
+        max_position=meta.get("llama.context_length", 4096),
+        bos_token_id=bos.contents() if bos else None, eos_token_ids=[int(eos)])
+    weights: Weights = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                arr = _unpermute(arr, heads)
+            elif kind == "attn_k":
+                arr = _unpermute(arr, kv_heads)
+            weights[f"model.layers.{parts[1]}.{_GGUF_LAYER[kind]}.{parts[3]}"] = arr
+        elif parts[0] in _GGUF_TOP:
+            weights[f"{_GGUF_TOP[parts[0]]}.{parts[1]}"] = arr
+    return cfg, weights
+
+
+# ---------------------------------------------------------------- Hugging Face folder
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+def read_safetensors(path: Path) -> Weights:
+    """Minimal safetensors reader that also handles bf16 (numpy has no bfloat16)."""
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+        base = 8 + header_len
+        out: Weights = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = info["dtype"]
+            if dtype not in _ST_DTYPES:
+                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
+            start, end = info["data_offsets"]
+            fh.seek(base + start)
+            raw = np.frombuffer(fh.read(end - start), dtype=_ST_DTYPES[dtype]).reshape(info["shape"])
+            if dtype == "BF16":
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            out[name] = raw.astype(np.float32)
+    return out
+
+
+def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
+    c = json.loads((files.path / "config.json").read_text())
+    if c.get("model_type", "llama") not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported model_type {c.get('model_type')!r}")
+    eos = c.get("eos_token_id", 2)
+    cfg = LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]), head_dim=c.get("head_dim", 0),
+        rms_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
+        rope_scaling=c.get("rope_scaling"), tie_word_embeddings=c.get("tie_word_embeddings", False),
+        max_position=c.get("max_position_embeddings", 4096), bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=list(eos) if isinstance(eos, list) else [eos])
+    weights: Weights = {}
+    shards = sorted(files.path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors in {files.path}")
+    for shard in shards:
+        weights.update(read_safetensors(shard))
+    return cfg, weights
+
+
+# ---------------------------------------------------------------- MindFormers checkpoint + yaml
+def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
+    import mindspore as ms
+
+    doc = yaml.safe_load(Path(files.cfg_path).read_text())
+    mc = doc.get("model", {}).get("model_config", doc.get("model_config", doc))
+    hidden, heads = mc["hidden_size"], mc["num_heads"]
+    ckpt = {k: v.asnumpy().astype(np.float32) for k, v in ms.load_checkpoint(str(files.path)).items()}
+    weights: Weights = {}
+    for name, arr in ckpt.items():
+        if name in _MF_TOP:
+            weights[_MF_TOP[name]] = arr
+            continue
+        parts = name.split(".")  # model.layers.{i}.<key>.weight
+        key = ".".join(parts[3:-1])
+        if parts[:2] == ["model", "layers"] and key in _MF_LAYER:
+            weights[f"model.layers.{parts[2]}.{_MF_LAYER[key]}.{parts[-1]}"] = arr
+    intermediate = weights["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    cfg = LlamaConfig(
+        vocab_size=mc["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=mc["num_layers"], num_heads=heads, num_kv_heads=mc.get("n_kv_heads") or heads,
+        rms_eps=mc.get("rms_norm_eps", 1e-5), rope_theta=mc.get("theta", 10000.0),
+        tie_word_embeddings="lm_head.weight" not in weights,
+        max_position=mc.get("seq_length", 4096), bos_token_id=mc.get("bos_token_id", 1),
+        eos_token_ids=[mc.get("eos_token_id", 2)])
+    return cfg, weights

@@ -1,0 +1,119 @@
+"""Serving configuration: the original llm-serving YAML keys, read into one typed object.
+
+Pure Python (no mindspore): both the server and the agents read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _as_list(v: Any, default: list[int]) -> list[int]:
+    if v is None:
+        return default
+    return sorted(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+
+
+@dataclass
+class ServingConfig:
+    model_name: str = "smollm2"
+    model_path: str = "smollm2"
+    model_cfg_path: str | None = None
+    max_generate_length: int = 2048
+    end_token: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
+    prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
+    decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size
+    max_prefill_rows: int = 4  # prefill_batch_size
+    context_buckets: list[int] = field(default_factory=list)  # zactivate_len; empty = powers of two
+    pad_token_id: int = 0
+    batching_strategy: str = "continuous"
+    # serving_config
+    agent_ports: list[int] = field(default_factory=lambda: [61166])
+    agent_ip: str = "127.0.0.1"
+    start_device_id: int = 0
+    server_ip: str = "127.0.0.1"
+    server_port: int = 8835
+    prefill_batch_waiting_time: float = 0.0
+    decode_batch_waiting_time: float = 0.0
+    max_queue: int = 512  # waiting requests before 503
+    max_num_batched_tokens: int = 0  # token budget per step; 0 = largest prefill bucket
+    schedule_policy: str = "fcfs"  # fcfs | sjf (shortest max_new_tokens first) | priority
+    step_timeout_s: float = 120.0
+    warmup: bool = True
+    agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
+    # pa_config
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_model_len: int = 2048  # decode_seq_length
+    # tokenizer
+    tokenizer_path: str | None = None
+    compile_cache_dir: str = ".cache/mindspore"
+    source: Path | None = None
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_batched_tokens or self.prefill_buckets[-1]
+
+    @property
+    def max_rows(self) -> int:
+        return self.decode_buckets[-1] + self.max_prefill_rows
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def validate(self) -> "ServingConfig":
+        if self.block_size < 1 or self.num_blocks < 2:
+            raise ValueError("pa_config: block_size >= 1 and num_blocks >= 2 (block 0 is reserved)")
+        if not self.agent_ports:
+            raise ValueError("serving_config.agent_ports must list at least one port")
+        if self.prefill_buckets[-1] > self.max_model_len:
+            raise ValueError("model_config.seq_length exceeds pa_config.decode_seq_length")
+        if self.schedule_policy not in ("fcfs", "sjf", "priority"):
+            raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
+        return self
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
+    doc: dict[str, Any] = {}
+    if path:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    mc = doc.get("model_config", {}) or {}
+    sc = doc.get("serving_config", {}) or {}
+    pa = doc.get("pa_config", {}) or {}
+    tk = doc.get("tokenizer", {}) or {}
+    c = ServingConfig()
+    c.source = Path(path) if path else None
+    c.model_name = mc.get("model_name", c.model_name)
+    c.model_path = mc.get("model_path", c.model_path)
+    c.model_cfg_path = mc.get("model_cfg_path", c.model_cfg_path)
+    c.max_generate_length = int(mc.get("max_generate_length", c.max_generate_length))
+    c.end_token = _as_list(mc.get("end_token"), [])
+    c.prefill_buckets = _as_list(mc.get("seq_length"), c.prefill_buckets)
+    c.decode_buckets = _as_list(mc.get("decode_batch_size"), c.decode_buckets)
+    c.max_prefill_rows = max(_as_list(mc.get("prefill_batch_size"), [c.max_prefill_rows]))
+    c.context_buckets = _as_list(mc.get("zactivate_len"), [])
+    c.pad_token_id = int(mc.get("pad_token_id", c.pad_token_id))
+    c.batching_strategy = mc.get("batching_strategy", c.batching_strategy)
+    # The original ignored these two when set under model_config; we honour both places.
+    c.prefill_batch_waiting_time = float(sc.get("prefill_batch_waiting_time", mc.get("batch_waiting_time", 0.0)))
+    c.decode_batch_waiting_time = float(sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0.0)))
+    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir"):
+        setattr(c, key, sc.get(key, getattr(c, key)))
+    for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens"):
+        setattr(c, key, int(sc.get(key, getattr(c, key))))
+    c.agent_ports = [int(p) for p in sc.get("agent_ports", c.agent_ports)]
+    c.step_timeout_s = float(sc.get("step_timeout_s", c.step_timeout_s))
+    c.warmup = bool(sc.get("warmup", c.warmup))
+    c.agent_cores = [list(map(int, x)) for x in sc.get("agent_cores", [])]
+    c.num_blocks = int(pa.get("num_blocks", c.num_blocks))
+    c.block_size = int(pa.get("block_size", c.block_size))
+    c.max_model_len = int(pa.get("decode_seq_length", c.max_model_len))
+    c.tokenizer_path = tk.get("vocab_file") or tk.get("path")
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(c, key, value)
+    return c.validate()

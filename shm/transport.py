@@ -1,0 +1,163 @@
+"""ZeroMQ transport between the server (DEALER) and an agent (ROUTER).
+
+A local agent (``ipc://``) gets tensors through the shared-memory arena; a remote agent (``tcp://``)
+gets the same arena fields as extra frames. Every call has a deadline, and a dead agent is noticed
+within a poll interval (its pid for local agents, the socket's disconnect event for all).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import zmq
+
+from shm import protocol as P
+from shm.arena import INPUT_FIELDS, OUTPUT_FIELDS, Arena, ArenaSpec, Segment, segment_name
+
+POLL_MS = 100
+
+
+class AgentError(RuntimeError):
+    """The agent answered a command with an error."""
+
+
+class AgentDead(RuntimeError):
+    """The agent process is gone or its connection dropped."""
+
+
+def agent_address(port: int, ip: str = "127.0.0.1") -> str:
+    """Local agents use an ipc socket named after their port; remote ones tcp on that port."""
+    if ip in ("127.0.0.1", "localhost", "", None):
+        runtime = os.environ.get("LLM_SERVING_RUNTIME_DIR", tempfile.gettempdir())
+        return f"ipc://{runtime}/llm-serving-agent-{port}.sock"
+    return f"tcp://{ip}:{port}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as fh:  # a zombie (killed, not yet reaped) counts as dead
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except PermissionError:
+        return True
+
+
+class AgentClient:
+    """Server-side handle of one agent. Not thread-safe: one engine thread owns it."""
+
+    def __init__(self, address: str, spec: ArenaSpec, tag: str):
+        self.address, self.spec = address, spec
+        self.local = address.startswith("ipc://")
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.sock.connect(address)
+        self.segment: Segment | None = None
+        if self.local:
+            self.segment = Segment(segment_name(tag), spec.layout()[1], create=True)
+            self.arena = Arena(spec, self.segment.buf)
+        else:
+            self.arena = Arena.private(spec)
+        self.pid: int | None = None
+        self.info: dict[str, Any] = {}
+        self._msg_id = 0
+        self._pending: int | None = None
+        self._pending_shape: tuple[int, int, int] = (0, 0, 0)
+        self._connected = False
+        self.dead = False
+
+    # ------------------------------------------------------------ liveness
+    def _check_alive(self) -> None:
+        while self.monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                self.dead = True
+        if self.pid is not None and self.local and not _pid_alive(self.pid):
+            self.dead = True
+        if self.dead:
+            raise AgentDead(f"agent at {self.address} is gone")
+
+    # ------------------------------------------------------------ raw calls
+    def send(self, cmd: bytes, header: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> None:
+        if self._pending is not None:
+            raise RuntimeError("a command is already in flight")
+        self._check_alive()
+        self._msg_id += 1
+        self._pending = self._msg_id
+        self.sock.send_multipart(P.encode(cmd, {**(header or {}), "id": self._msg_id}, frames))
+
+    def poll(self, timeout_s: float) -> tuple[dict[str, Any], list[bytes]] | None:
+        """Wait up to timeout_s for the reply to the command in flight; None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            wait = max(0.0, min(POLL_MS / 1000, deadline - time.monotonic()))
+            if self.sock.poll(int(wait * 1000)):
+                ok, body, frames = P.decode_reply(self.sock.recv_multipart(copy=True))
+                if body.get("id") != self._pending:
+                    continue  # a late reply to a command we gave up on
+                self._pending = None
+                if not ok:
+                    raise AgentError(body.get("error", "agent failed"))
+                return body, frames
+            if time.monotonic() >= deadline:
+                return None
+
+    def call(self, cmd: bytes, header: dict[str, Any] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+        self.send(cmd, header)
+        reply = self.poll(timeout_s)
+        if reply is None:
+            self._pending = None
+            raise TimeoutError(f"agent at {self.address}: no reply to {cmd!r} within {timeout_s:.0f}s")
+        return reply[0]
+
+    # ------------------------------------------------------------ protocol
+    def handshake(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Attach the agent to our arena; returns the agent's model info (waits for it to load)."""
+        body = self.call(P.HANDSHAKE, {"arena": self.segment.name if self.segment else None,
+                                       "spec": self.spec.to_wire(), "server_pid": os.getpid()}, timeout_s)
+        self.pid, self.info = int(body["pid"]), body
+        return body
+
+    def send_step(self, n_tokens: int, n_rows: int, width: int, free: list[int], has_prefill: bool) -> None:
+        """Inputs must already be in `self.arena`; outputs land there when `poll` returns."""
+        frames = None if self.local else self.arena.input_frames(n_tokens, n_rows, width)
+        self._pending_shape = (n_tokens, n_rows, width)
+        self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP,
+                  {"n_tokens": n_tokens, "n_rows": n_rows, "width": width, "free": free}, frames)
+
+    def poll_step(self, timeout_s: float) -> dict[str, Any] | None:
+        reply = self.poll(timeout_s)
+        if reply is None:
+            return None
+        body, frames = reply
+        if not self.local:
+            self.arena.load_frames(OUTPUT_FIELDS, frames, 0, self._pending_shape[1], 0)
+        return body
+
+    def close(self, send_exit: bool = True) -> None:
+        if send_exit and not self.dead:
+            try:
+                self._pending = None
+                self.sock.send_multipart(P.encode(P.EXIT, {"id": 0}), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.arena = None  # drop numpy views before unmapping
+        if self.segment is not None:
+            self.segment.close()
+
+
+def load_step_frames(arena: Arena, msg: P.Message) -> None:
+    """Agent side, tcp: copy the step's tensor frames into the private arena."""
+    h = msg.header
+    arena.load_frames(INPUT_FIELDS, msg.frames, h["n_tokens"], h["n_rows"], h["width"])

@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random Llama written as a real Hugging Face folder (config.json,
+model.safetensors, byte-level tokenizer.json), so tests exercise the real loaders and processes."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("LLM_SERVING_LOG", "WARNING")
+
+TINY = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+            max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257,
+            model_type="llama")
+
+
+def tiny_model_config():
+    from agent.model import LlamaConfig
+
+    c = TINY
+    return LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                       intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+                       num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+                       rms_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+                       max_position=c["max_position_embeddings"], bos_token_id=256, eos_token_ids=[257])
+
+
+def byte_level_tokenizer_json() -> str:
+    """A real byte-level BPE tokenizer: 256 byte tokens + <s>, </s> and a chat marker."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    return tok.to_str()
+
+
+@pytest.fixture(scope="session")
+def tiny_weights() -> dict[str, np.ndarray]:
+    from tests.reference import random_weights
+
+    return random_weights(tiny_model_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_weights) -> Path:
+    from safetensors.numpy import save_file
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(TINY))
+    save_file(tiny_weights, str(d / "model.safetensors"))
+    (d / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}))
+    return d
