@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shm import protocol as P
 from shm.arena import INPUT_FIELDS, OUTPUT_FIELDS, Arena, ArenaSpec, Segment, segment_name
@@ -74,7 +75,7 @@ class AgentClient:
     # ------------------------------------------------------------ liveness
     def _check_alive(self) -> None:
         while self.monitor.poll(0):
-            event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
+            event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED and self._connected:

@@ -1,0 +1,362 @@
+"""HTTP front-end: original llm-serving, TGI and OpenAI APIs, health and metrics.
+
+Handlers only parse, tokenize and await engine events; the engine runs in its own thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.config import ServingConfig
+from server.engine import Delta, Engine, QueueFull, Request
+from server.params import openai_params, parse_json, tgi_params, to_bool
+from server.sampling_params import InvalidRequest, SamplingParams
+from server.tokenizer import TextTokenizer
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[Delta]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers or {}
+
+
+def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI:
+    app = FastAPI(title="llm-serving")
+    default_max = cfg.max_generate_length
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
+        if request.url.path.startswith("/v1/"):
+            body: dict[str, Any] = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
+        else:
+            body = {"error": exc.message, "error_type": exc.kind}
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: HttpRequest, exc: InvalidRequest) -> JSONResponse:
+        return await _api_error(request, ApiError(400, str(exc)))
+
+    # ------------------------------------------------------------ core
+    def encode_prompt(text: Any, params: SamplingParams) -> list[int]:
+        if isinstance(text, list) and all(isinstance(t, int) for t in text) and text:
+            ids = text  # OpenAI accepts token ids
+        elif isinstance(text, str) and text:
+            ids = tok.encode(text)
+        else:
+            raise InvalidRequest("the prompt must be a non-empty string")
+        if any(t < 0 or t >= tok.vocab_size for t in ids):
+            raise InvalidRequest("prompt token id out of range")
+        room = cfg.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum is {cfg.max_model_len - 1}")
+        params.max_new_tokens = min(params.max_new_tokens, room)
+        return ids
+
+    async def stream(http: HttpRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        rid = uuid.uuid4().hex
+        req = Request(rid, ids, params, sink=lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+        try:
+            engine.submit(req)
+        except QueueFull as exc:
+            raise ApiError(503, f"server overloaded: {exc}", "overloaded", {"Retry-After": "1"}) from None
+        finished = False
+        try:
+            while True:
+                try:
+                    d = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                if d.finish_reason:
+                    finished = True
+                yield d
+                if finished:
+                    return
+        finally:
+            if not finished:  # client went away or the generator was closed: free its blocks
+                engine.abort(rid)
+
+    async def collect(http: HttpRequest, ids: list[int], params: SamplingParams) -> Result:
+        tokens, text, reason = [], "", "cancelled"
+        async for d in stream(http, ids, params):
+            if d.token_id is not None:
+                tokens.append(d)
+            text += d.text
+            if d.finish_reason:
+                reason = d.finish_reason
+                if d.error:
+                    raise ApiError(500, d.error, "server_error")
+        return Result(text, tokens, reason, len(ids))
+
+    async def body_of(http: HttpRequest) -> dict[str, Any]:
+        return parse_json(await http.body())
+
+    def token_json(d: Delta) -> dict[str, Any]:
+        return {"id": d.token_id, "logprob": d.logprob, "special": tok.is_special(d.token_id or -1), "text": d.text}
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    # ------------------------------------------------------------ original llm-serving API
+    async def original(http: HttpRequest, model: str, force_stream: bool | None) -> Response:
+        b = await body_of(http)
+        params, opts = tgi_params(b.get("parameters"), default_max)
+        streaming = force_stream if force_stream is not None else to_bool(b.get("stream", False), "stream")
+        prompt = b.get("inputs")
+        ids = encode_prompt(prompt, params)
+        if not streaming:
+            r = await collect(http, ids, params)
+            text = (prompt + r.text) if opts["return_full_text"] else r.text
+            return JSONResponse({"generated_text": text, "finish_reason": r.finish_reason,
+                                 "generated_tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
+                                 "tokens": [token_json(t) for t in r.tokens]})
+
+        async def lines() -> AsyncIterator[str]:
+            full = ""
+            async for d in stream(http, ids, params):
+                full += d.text
+                if d.error:
+                    yield json.dumps({"event": "error", "data": [{"error": d.error}]}) + "\n"
+                    return
+                if d.token_id is not None or d.text:
+                    item = {"generated_text": d.text, "tokens": token_json(d)}
+                    yield json.dumps({"event": "message", "retry": 30000, "data": [item]}, ensure_ascii=False) + "\n"
+                if d.finish_reason:
+                    last = {"generated_text": (prompt + full) if opts["return_full_text"] else "",
+                            "finish_reason": d.finish_reason}
+                    if opts["return_full_text"]:
+                        yield json.dumps({"event": "message", "retry": 30000, "data": [last]},
+                                         ensure_ascii=False) + "\n"
+
+        return StreamingResponse(await _primed(lines()), media_type="text/plain")
+
+    @app.post("/models/{model}/generate")
+    async def orig_generate(model: str, http: HttpRequest) -> Response:
+        return await original(http, model, False)
+
+    @app.post("/models/{model}/generate_stream")
+    async def orig_generate_stream(model: str, http: HttpRequest) -> Response:
+        return await original(http, model, True)
+
+    @app.post("/models/{model}")
+    async def orig_model(model: str, http: HttpRequest) -> Response:
+        return await original(http, model, None)
+
+    # ------------------------------------------------------------ TGI
+    tgi_reason = {"stop": "eos_token", "length": "length", "cancelled": "cancelled", "error": "error"}
+
+    def tgi_details(r_reason: str, n: int, params: SamplingParams, toks: list[dict]) -> dict[str, Any]:
+        return {"finish_reason": tgi_reason.get(r_reason, r_reason), "generated_tokens": n, "seed": params.seed,
+                "tokens": toks}
+
+    @app.post("/generate")
+    async def tgi_generate(http: HttpRequest) -> Response:
+        b = await body_of(http)
+        params, opts = tgi_params(b.get("parameters"), default_max)
+        ids = encode_prompt(b.get("inputs"), params)
+        r = await collect(http, ids, params)
+        out: dict[str, Any] = {"generated_text": (b["inputs"] + r.text) if opts["return_full_text"] else r.text}
+        if opts["details"]:
+            out["details"] = tgi_details(r.finish_reason, len(r.tokens), params, [token_json(t) for t in r.tokens])
+        return JSONResponse(out)
+
+    @app.post("/generate_stream")
+    async def tgi_generate_stream(http: HttpRequest) -> Response:
+        b = await body_of(http)
+        params, opts = tgi_params(b.get("parameters"), default_max)
+        ids = encode_prompt(b.get("inputs"), params)
+
+        async def events() -> AsyncIterator[str]:
+            full, n = "", 0
+            async for d in stream(http, ids, params):
+                if d.error:
+                    yield sse({"error": d.error, "error_type": "generation"})
+                    return
+                full += d.text
+                n += d.token_id is not None
+                if d.token_id is None and not d.finish_reason:
+                    continue
+                end = d.finish_reason is not None
+                yield sse({"token": token_json(d) if d.token_id is not None else {"id": None, "text": d.text,
+                                                                                   "logprob": None, "special": True},
+                           "generated_text": ((b["inputs"] + full) if opts["return_full_text"] else full) if end else None,
+                           "details": tgi_details(d.finish_reason, n, params, []) if end else None})
+
+        return StreamingResponse(await _primed(events()), media_type="text/event-stream")
+
+    @app.get("/info")
+    async def info() -> dict[str, Any]:
+        return {"model_id": cfg.model_name, "model_dtype": "float32", "max_input_tokens": cfg.max_model_len - 1,
+                "max_total_tokens": cfg.max_model_len, "max_concurrent_requests": cfg.max_queue,
+                "max_batch_total_tokens": cfg.token_budget, "router": "llm-serving", "version": "0.1.0"}
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest) -> Any:
+        b = await body_of(http)
+        text = b.get("inputs")
+        if not isinstance(text, str):
+            raise InvalidRequest("inputs must be a string")
+        enc = tok.tok.encode(text, add_special_tokens=False)
+        return [{"id": i, "text": text[s:e], "start": s, "stop": e} for i, (s, e) in zip(enc.ids, enc.offsets)]
+
+    # ------------------------------------------------------------ OpenAI
+    def openai_logprobs(tokens: list[Delta], chat: bool) -> dict[str, Any]:
+        if chat:
+            return {"content": [{"token": tok.id_to_token(t.token_id), "logprob": t.logprob,
+                                 "bytes": list(t.text.encode()),
+                                 "top_logprobs": [{"token": tok.id_to_token(i), "logprob": lp,
+                                                   "bytes": list(tok.decode([i]).encode())} for i, lp in t.top_logprobs]}
+                                for t in tokens]}
+        offs, pos = [], 0
+        for t in tokens:
+            offs.append(pos)
+            pos += len(t.text)
+        return {"tokens": [tok.id_to_token(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{tok.id_to_token(i): lp for i, lp in t.top_logprobs} for t in tokens],
+                "text_offset": offs}
+
+    def usage(prompt: int, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def oa_reason(reason: str) -> str:
+        return reason if reason in ("stop", "length") else "abort"
+
+    async def openai(http: HttpRequest, chat: bool) -> Response:
+        b = await body_of(http)
+        params = openai_params(b, default_max, chat)
+        if chat:
+            msgs = b.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs):
+                raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
+            prompt: Any = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        else:
+            prompt = b.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+        ids = encode_prompt(prompt, params)
+        want_lp = params.logprobs > 0 or (chat and to_bool(b.get("logprobs", False), "logprobs"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created, model = int(time.time()), b.get("model") or cfg.model_name
+        obj = "chat.completion" if chat else "text_completion"
+        if not to_bool(b.get("stream", False), "stream"):
+            r = await collect(http, ids, params)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": oa_reason(r.finish_reason),
+                                      "logprobs": openai_logprobs(r.tokens, chat) if want_lp else None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": r.text}
+            else:
+                choice["text"] = r.text
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
+                                 "choices": [choice], "usage": usage(len(ids), len(r.tokens))})
+        include_usage = bool((b.get("stream_options") or {}).get("include_usage", False))
+
+        async def chunks() -> AsyncIterator[str]:
+            n = 0
+            base = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": model}
+            if chat:
+                yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": None}]})
+            async for d in stream(http, ids, params):
+                if d.error:
+                    yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
+                    break
+                n += d.token_id is not None
+                toks = [d] if d.token_id is not None else []
+                if not d.text and not d.finish_reason and not (want_lp and toks):
+                    continue
+                lp = openai_logprobs(toks, chat) if want_lp and toks else None
+                body = {"index": 0, "finish_reason": oa_reason(d.finish_reason) if d.finish_reason else None,
+                        "logprobs": lp}
+                if chat:
+                    body["delta"] = {"content": d.text} if d.text else {}
+                else:
+                    body["text"] = d.text
+                yield sse({**base, "choices": [body]})
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage(len(ids), n)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(await _primed(chunks()), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Response:
+        return await openai(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await openai(http, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                            "owned_by": "llm-serving", "max_model_len": cfg.max_model_len}]}
+
+    # ------------------------------------------------------------ operations
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, why = engine.health()
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "reason": why}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/trace")
+    async def trace() -> dict[str, Any]:
+        return engine.chrome_trace()
+
+    @app.get("/serving/get_bs")
+    async def get_bs() -> dict[str, Any]:
+        return {"decode_batch_size": engine.stats()["running"]}
+
+    @app.get("/serving/get_request_numbers")
+    async def get_request_numbers() -> dict[str, Any]:
+        s = engine.stats()
+        return {"waiting": s["waiting"], "running": s["running"], "total": s["waiting"] + s["running"]}
+
+    @app.get("/serving/get_serverd_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_name": cfg.model_name, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+                "num_blocks": cfg.num_blocks, "agents": len(cfg.agent_ports), **engine.stats()}
+
+    return app
+
+
+async def _primed(gen: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Run a stream until its first item before the 200 is sent, so errors raised on submission
+    (queue full) still become proper 4xx/5xx responses instead of a broken stream."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = ""
+
+    async def rest() -> AsyncIterator[str]:
+        if first:
+            yield first
+        async for item in gen:
+            yield item
+
+    return rest()

@@ -1,0 +1,26 @@
+"""Prometheus metrics (own registry, so several engines in one process do not clash)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.waiting = Gauge("llm_serving_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.running = Gauge("llm_serving_requests_running", "Requests being generated", registry=r)
+        self.kv_usage = Gauge("llm_serving_kv_cache_usage", "Fraction of KV blocks in use", ["agent"], registry=r)
+        self.agents_alive = Gauge("llm_serving_agents_alive", "Live agents", registry=r)
+        self.ttft = Histogram("llm_serving_time_to_first_token_seconds", "TTFT", buckets=_LAT, registry=r)
+        self.tpot = Histogram("llm_serving_time_per_output_token_seconds", "TPOT", buckets=_LAT, registry=r)
+        self.e2e = Histogram("llm_serving_e2e_request_latency_seconds", "End-to-end latency", buckets=_LAT,
+                             registry=r)
+        self.step_time = Histogram("llm_serving_step_seconds", "Agent step time", ["kind"], buckets=_LAT,
+                                   registry=r)
+        self.finished = Counter("llm_serving_requests_finished", "Finished requests", ["reason"], registry=r)
+        self.prompt_tokens = Counter("llm_serving_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("llm_serving_generation_tokens", "Generated tokens", registry=r)
+        self.preemptions = Counter("llm_serving_preemptions", "Sequences preempted", registry=r)
+        self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)

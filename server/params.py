@@ -1,0 +1,107 @@
+"""Request-body parsing for the three APIs into SamplingParams (strict, with clear 4xx messages)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.sampling_params import InvalidRequest, SamplingParams
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def to_bool(v: Any, name: str) -> bool:
+    """The original clients send booleans as strings ("True"/"False")."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
+        return v.strip().lower() in ("true", "1")
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise InvalidRequest(f"{name} must be a boolean")
+
+
+def _num(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        raise InvalidRequest(f"{key} must be a number")
+    try:
+        out = kind(v)  # numbers may arrive as strings from the original clients
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"{key} must be {'an integer' if kind is int else 'a number'}") from None
+    if kind is int and isinstance(v, float) and v != out:
+        raise InvalidRequest(f"{key} must be an integer")
+    return out
+
+
+def _stop_list(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise InvalidRequest("stop must be a string or a list of strings")
+
+
+def tgi_params(p: Any, default_max: int) -> tuple[SamplingParams, dict[str, Any]]:
+    """`parameters` of the original llm-serving and TGI APIs. Returns params and output options."""
+    if p is None:
+        p = {}
+    if not isinstance(p, dict):
+        raise InvalidRequest("parameters must be an object")
+    do_sample = to_bool(p.get("do_sample", False), "do_sample")
+    temperature = _num(p, "temperature", float, 1.0)
+    sp = SamplingParams(
+        max_new_tokens=_num(p, "max_new_tokens", int, default_max),
+        temperature=temperature if do_sample else 0.0,
+        top_k=_num(p, "top_k", int, 0) if do_sample else 0,
+        top_p=_num(p, "top_p", float, 1.0) if do_sample else 1.0,
+        min_p=_num(p, "min_p", float, 0.0) if do_sample else 0.0,
+        repetition_penalty=_num(p, "repetition_penalty", float, 1.0),
+        presence_penalty=_num(p, "presence_penalty", float, 0.0),
+        frequency_penalty=_num(p, "frequency_penalty", float, 0.0),
+        seed=_num(p, "seed", int, None), stop=_stop_list(p.get("stop")),
+        ignore_eos=to_bool(p.get("ignore_eos", False), "ignore_eos"),
+        logprobs=_num(p, "top_n_tokens", int, 0) or 0,
+        priority=_num(p, "priority", int, 0)).validate()
+    opts = {"return_full_text": to_bool(p.get("return_full_text", False), "return_full_text"),
+            "details": to_bool(p.get("details", True), "details")}
+    return sp, opts
+
+
+def openai_params(b: dict[str, Any], default_max: int, chat: bool) -> SamplingParams:
+    if _num(b, "n", int, 1) != 1:
+        raise InvalidRequest("only n=1 is supported")
+    if b.get("best_of") not in (None, 1):
+        raise InvalidRequest("best_of is not supported")
+    if chat:
+        want = b.get("logprobs", False)
+        logprobs = _num(b, "top_logprobs", int, 0) if to_bool(want, "logprobs") else 0
+        if to_bool(want, "logprobs") and not logprobs:
+            logprobs = 1
+    else:
+        logprobs = _num(b, "logprobs", int, 0)
+    max_tokens = b.get("max_completion_tokens", b.get("max_tokens"))
+    return SamplingParams(
+        max_new_tokens=_num({"m": max_tokens}, "m", int, default_max),
+        temperature=_num(b, "temperature", float, 1.0), top_k=max(0, _num(b, "top_k", int, 0)),
+        top_p=_num(b, "top_p", float, 1.0), min_p=_num(b, "min_p", float, 0.0),
+        repetition_penalty=_num(b, "repetition_penalty", float, 1.0),
+        presence_penalty=_num(b, "presence_penalty", float, 0.0),
+        frequency_penalty=_num(b, "frequency_penalty", float, 0.0),
+        seed=_num(b, "seed", int, None), stop=_stop_list(b.get("stop")),
+        stop_token_ids=[int(x) for x in b.get("stop_token_ids") or []],
+        ignore_eos=to_bool(b.get("ignore_eos", False), "ignore_eos"), logprobs=logprobs or 0,
+        priority=_num(b, "priority", int, 0)).validate()

@@ -1,0 +1,122 @@
+"""Tokenizer from a GGUF vocabulary or a Hugging Face tokenizer.json (via `tokenizers`), plus the
+model's chat template."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from server.model_files import ModelFiles
+
+# GGUF `tokenizer.ggml.pre` -> digit handling in front of the GPT-2 byte-level split.
+_INDIVIDUAL_DIGITS = {"smollm"}
+_GGUF_CONTROL = 3
+
+
+@dataclass
+class TextTokenizer:
+    tok: Tokenizer
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    add_bos: bool = False
+    chat_template: str | None = None
+    special_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    @property
+    def _special_ids(self) -> set[int]:
+        return set(self.special_tokens.values())
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tok.id_to_token(token_id) or ""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            # Plain fallback so chat still works on models without a template.
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant: " if add_generation_prompt else "")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        special = {k: v for k, v in self.special_tokens.items()}
+        bos = next((k for k, v in special.items() if v == self.bos_token_id), "")
+        eos = next((k for k, v in special.items() if v in self.eos_token_ids), "")
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+
+
+def load_tokenizer(files: ModelFiles, tokenizer_path: str | None = None) -> TextTokenizer:
+    if tokenizer_path:
+        return _from_hf_file(Path(tokenizer_path), Path(tokenizer_path).parent)
+    if files.kind == "gguf":
+        return _from_gguf(files.path)
+    folder = files.path if files.path.is_dir() else files.path.parent
+    return _from_hf_file(folder / "tokenizer.json", folder)
+
+
+def _from_hf_file(path: Path, folder: Path) -> TextTokenizer:
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    tok = Tokenizer.from_file(str(path))
+    cfg: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").exists():
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    model_cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+
+    def token_id(v: Any) -> int | None:
+        name = v.get("content") if isinstance(v, dict) else v
+        return tok.token_to_id(name) if name else None
+
+    eos = model_cfg.get("eos_token_id", token_id(cfg.get("eos_token")))
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return TextTokenizer(tok, eos_ids, token_id(cfg.get("bos_token")), bool(cfg.get("add_bos_token", False)),
+                         cfg.get("chat_template"), special)
+
+
+def _from_gguf(path: Path) -> TextTokenizer:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    f = r.fields
+    if f["tokenizer.ggml.model"].contents() != "gpt2":
+        raise ValueError("only GGUF byte-level BPE (gpt2) vocabularies are supported; use tokenizer.json")
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    types = f["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = f.get("tokenizer.ggml.pre")
+    if pre is not None and pre.contents() in _INDIVIDUAL_DIGITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    special = {t: i for i, t in enumerate(tokens) if types[i] == _GGUF_CONTROL}
+    tok.add_special_tokens(list(special))
+    bos = f.get("tokenizer.ggml.bos_token_id")
+    add_bos = f.get("tokenizer.ggml.add_bos_token")
+    tmpl = f.get("tokenizer.chat_template")
+    return TextTokenizer(tok, [int(f["tokenizer.ggml.eos_token_id"].contents())],
+                         int(bos.contents()) if bos else None, bool(add_bos.contents()) if add_bos else False,
+                         tmpl.contents() if tmpl else None, special)
