@@ -140,12 +140,15 @@ class AgentServer:
             sock.close(0)
 
 
-def _pin(index: int, cores: list[list[int]]) -> None:
+def _pin(index: int, n_agents: int, cores: list[list[int]]) -> None:
+    """MindSpore collapses when another busy process shares its cores: give each agent its own."""
     avail = sorted(os.sched_getaffinity(0))
     if cores and index < len(cores):
         want = cores[index]
+    elif n_agents > 1:
+        want = [avail[index % len(avail)]]
     else:
-        want = avail  # one agent: all cores; MindSpore must not share them with another busy process
+        want = avail
     os.sched_setaffinity(0, [c for c in want if c in avail] or avail)
 
 
@@ -157,7 +160,7 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     from server.config import load_config
 
     cfg = load_config(config_path, **overrides)
-    _pin(index, cfg.agent_cores)
+    _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore  # imports mindspore first
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
 from typing import Any
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             _demo(url, cfg.model_name)
 
     threading.Thread(target=announce, daemon=True).start()
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with a Python handler in place that
+    # becomes SystemExit, so the cleanup below (unlinking shared memory, stopping agents) runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         server.run()
     finally:

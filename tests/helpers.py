@@ -1,0 +1,72 @@
+"""Helpers to run real agent and server processes in tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -> Path:
+    """A serving YAML for the tiny test model; `serving`/`pa_*` keys override defaults."""
+    pa = {"num_blocks": serving.pop("num_blocks", 128), "block_size": serving.pop("block_size", 4),
+          "decode_seq_length": 128}
+    doc = {
+        "model_config": {"model_name": "tiny", "model_path": str(model_dir), "max_generate_length": 24,
+                         "seq_length": [16, 32], "decode_batch_size": [1, 4, 8], "prefill_batch_size": [2],
+                         "zactivate_len": [64]},
+        "serving_config": {"agent_ports": [free_port() for _ in range(n_agents)], "server_ip": "127.0.0.1",
+                           "server_port": free_port(), "compile_cache_dir": str(tmp / "mscache"), **serving},
+        "pa_config": pa,
+    }
+    path = tmp / f"tiny-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class ServerProcess:
+    """`llm-serving --config X` as a real child process (it spawns its agents)."""
+
+    def __init__(self, config: Path, *extra: str, timeout_s: float = 300):
+        self.config = yaml.safe_load(config.read_text())
+        self.url = f"http://127.0.0.1:{self.config['serving_config']['server_port']}"
+        self.log = config.with_suffix(".log")
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.main", "--config", str(config), *extra],
+                                     cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while "llm-serving ready" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def agent_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        pids = [int(p) for p in out.split()]
+        # multiprocessing's resource tracker is a child too; agents are the spawn_main children
+        return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode

@@ -1,0 +1,150 @@
+"""shm/ codec, arena and transport with real agent processes, ZeroMQ and POSIX shared memory."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings, strategies as st
+
+from agent.launch import start_agents, stop_agents
+from server.config import load_config
+from server.main import connect_agents
+from server.sampling_params import SamplingParams
+from server.step_writer import RowInput, write_step
+from shm import protocol as P
+from shm.arena import Arena, ArenaSpec, clean_stale_segments, our_segments
+from shm.transport import AgentDead, AgentError, agent_address
+from tests.helpers import ServerProcess, tiny_config
+
+
+def test_codec_round_trip():
+    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "free": [7, 9], "id": 5}, [b"xy"])
+    msg = P.decode(parts)
+    assert msg.cmd == P.DECODE_STEP and msg.header["free"] == [7, 9] and msg.frames == [b"xy"]
+    ok, body, _ = P.decode_reply(P.encode_reply(False, {"error": "boom", "id": 5}))
+    assert not ok and body == {"error": "boom", "id": 5}
+
+
+@pytest.mark.parametrize("parts, why", [
+    ([b""], "empty"), ([b"Z" + msgpack.packb({"v": 1})], "unknown command"),
+    ([b"*" + msgpack.packb({"v": 99, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version"),
+    ([b"*" + msgpack.packb({"v": 1, "n_tokens": "1", "n_rows": 1, "width": 1, "free": []})], "n_tokens"),
+    ([b"a" + msgpack.packb({"v": 1, "n_tokens": -1, "n_rows": 1, "width": 1, "free": []})], "negative"),
+    ([b"a\xc1\xff"], "msgpack"), ([b"#" + msgpack.packb([1, 2])], "not a map"),
+])
+def test_codec_rejects_malformed(parts, why):
+    with pytest.raises(P.ProtocolError, match=why):
+        P.decode(parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=3))
+def test_codec_fuzz_only_raises_protocol_error(parts):
+    try:
+        P.decode(parts)
+    except P.ProtocolError:
+        pass
+
+
+def test_arena_layout_is_identical_on_both_sides():
+    spec = ArenaSpec(64, 8, 5)
+    a, b = Arena.private(spec), Arena.private(ArenaSpec.from_wire(spec.to_wire()))
+    a["block_tables"][2, :3] = [4, 5, 6]
+    b.buf[:] = a.buf
+    assert list(b["block_tables"][2, :3]) == [4, 5, 6]
+    assert a["temperature"].dtype == np.float32  # never float16, unlike the original
+
+
+@pytest.fixture()
+def agent(tmp_path, tiny_model_dir):
+    path = tiny_config(tmp_path, tiny_model_dir)
+    cfg = load_config(path)
+    procs = start_agents(cfg, str(path), {})
+    yield cfg, procs
+    stop_agents(procs)
+
+
+def _decode_step(client, cfg):
+    rows = [RowInput(1, np.asarray([5, 6, 7], np.int32), 0, [1], True, SamplingParams(), 3, 0)]
+    dims = write_step(client.arena, rows, cfg.block_size)
+    client.send_step(*dims, free=[], has_prefill=True)
+    return client.poll_step(30)
+
+
+def test_agent_survives_garbage_and_keeps_serving(agent):
+    cfg, _ = agent
+    [client] = connect_agents(cfg)
+    try:
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(agent_address(cfg.agent_ports[0]))
+        for junk in ([b"\x00garbage"], [b"*" + b"\xff" * 10], [b"a" + msgpack.packb({"v": 1})]):
+            raw.send_multipart(junk)
+            assert raw.poll(10_000), "agent did not answer garbage"
+            ok, body, _ = P.decode_reply(raw.recv_multipart())
+            assert not ok and body["error"].startswith("protocol")
+        raw.close(0)
+        # A well-formed step with out-of-range content is refused with a reason, not a crash.
+        client.arena["tokens"][0] = 10**6
+        client.send_step(1, 1, 1, [], True)
+        with pytest.raises(AgentError, match="tokens out of range"):
+            client.poll_step(30)
+        assert _decode_step(client, cfg) is not None
+        assert 0 <= client.arena["out_ids"][0] < client.info["vocab_size"]
+        assert client.call(P.HEARTBEAT)["attached"]
+    finally:
+        client.close()
+
+
+def test_second_server_is_refused_while_first_is_attached(agent):
+    cfg, _ = agent
+    [first] = connect_agents(cfg)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        raw.connect(agent_address(cfg.agent_ports[0]))
+        other_live_pid = os.getppid()
+        raw.send_multipart(P.encode(P.HANDSHAKE, {"arena": None, "spec": first.spec.to_wire(),
+                                                  "server_pid": other_live_pid, "id": 1}))
+        assert raw.poll(10_000)
+        ok, body, _ = P.decode_reply(raw.recv_multipart())
+        assert not ok and "already connected" in body["error"]
+        assert _decode_step(first, cfg) is not None  # the first server is unaffected
+    finally:
+        raw.close(0)
+        first.close()
+
+
+def test_agent_sigkill_detected_within_two_seconds(agent):
+    cfg, procs = agent
+    [client] = connect_agents(cfg)
+    try:
+        _decode_step(client, cfg)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(AgentDead):
+            client.send(P.HEARTBEAT)
+            client.poll(10)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        client.close(send_exit=False)
+    assert not [s for s in our_segments() if s.startswith(f"llmserving-{os.getpid()}-")]
+
+
+def test_no_segment_left_after_sigkill_of_everything_and_restart(tmp_path, tiny_model_dir):
+    cfg_path = tiny_config(tmp_path, tiny_model_dir)
+    server = ServerProcess(cfg_path)
+    pid = server.proc.pid
+    assert any(s.startswith(f"llmserving-{pid}-") for s in our_segments())
+    os.killpg(pid, signal.SIGKILL)  # the server and its agents, with no chance to clean up
+    server.proc.wait(10)
+    assert any(s.startswith(f"llmserving-{pid}-") for s in our_segments())  # leaked by the kill
+    restarted = ServerProcess(cfg_path)
+    assert not any(s.startswith(f"llmserving-{pid}-") for s in our_segments())  # cleaned at start
+    new_pid = restarted.proc.pid
+    assert restarted.stop() in (0, 128 + signal.SIGTERM)
+    assert not any(s.startswith(f"llmserving-{new_pid}-") for s in our_segments())  # unlinked on SIGTERM
+    assert clean_stale_segments() == []
