@@ -1,0 +1,243 @@
+"""End to end through real processes: llm-serving (HTTP + engine) and spawned MindSpore agents."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import ServerProcess, tiny_config
+
+PROMPTS = ["hello world", "The quick brown fox", "a", "MindSpore serving test prompt"]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("e2e"), tiny_model_dir))
+    yield srv
+    srv.stop()
+
+
+def original_generate(url: str, prompt: str, new: int = NEW, **params) -> dict:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": new, "do_sample": "False", "ignore_eos": "True",
+                                             **params}}
+    r = httpx.post(f"{url}/models/tiny/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_original(url: str, prompt: str) -> str:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW, "do_sample": "False", "ignore_eos": "True"},
+            "stream": "True"}
+    text = ""
+    with httpx.stream("POST", f"{url}/models/tiny", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line:
+                text += json.loads(line)["data"][0]["generated_text"]
+    return text
+
+
+def stream_tgi(url: str, prompt: str) -> str:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW, "ignore_eos": True}}
+    text, final = "", None
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=120) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                ev = json.loads(line[5:])
+                text += ev["token"]["text"]
+                final = ev["generated_text"] or final
+    assert final == text
+    return text
+
+
+def stream_openai(url: str, prompt: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    return "".join(c.choices[0].text for c in out if c.choices)
+
+
+def test_concurrent_streams_on_three_apis_equal_single_requests(server):
+    single = {p: original_generate(server.url, p)["generated_text"] for p in PROMPTS}
+    results: dict[tuple[str, str], str] = {}
+    errors: list[BaseException] = []
+
+    def run(kind: str, fn, prompt: str) -> None:
+        try:
+            results[(kind, prompt)] = fn(server.url, prompt)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k, fn, p)) for p in PROMPTS
+               for k, fn in (("orig", stream_original), ("tgi", stream_tgi), ("openai", stream_openai))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    for (kind, prompt), text in results.items():
+        assert text == single[prompt], (kind, prompt)
+    assert len(results) == 3 * len(PROMPTS)
+
+
+def test_original_non_stream_shape_and_last_token(server):
+    r = original_generate(server.url, "hello", new=5, return_full_text="True")
+    assert r["generated_text"].startswith("hello")
+    assert r["generated_tokens"] == 5 and r["finish_reason"] == "length"
+    assert "".join(t["text"] for t in r["tokens"]) == r["generated_text"][len("hello"):]  # last token included
+    assert all(t["logprob"] <= 0 for t in r["tokens"])
+
+
+def test_openai_chat_with_official_client(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "hi there"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 6 and full.choices[0].finish_reason == "length"
+    lp = full.choices[0].logprobs.content
+    assert len(lp) == 6 and all(len(t.top_logprobs) == 3 for t in lp)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in lp)  # greedy picks the top token
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_seeded_sampling_is_reproducible_over_http(server):
+    body = {"model": "tiny", "prompt": "seed me", "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    a = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    b = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path, body, raw", [
+    ("/v1/completions", None, b"{not json"),
+    ("/v1/completions", None, b'{"prompt": "\xff\xfe"}'),
+    ("/v1/completions", {"prompt": ""}, None),
+    ("/v1/completions", {"prompt": "x" * 400}, None),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, None),
+    ("/v1/completions", {"prompt": "x", "n": 2}, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, None),
+    ("/v1/chat/completions", {"messages": []}, None),
+    ("/generate", {"inputs": "x", "parameters": {"do_sample": "maybe"}}, None),
+    ("/models/tiny/generate", {"inputs": 5}, None),
+    ("/models/tiny/generate_stream", {"inputs": "x", "parameters": {"top_k": -3, "do_sample": True}}, None),
+])
+def test_bad_input_gets_4xx_json(server, path, body, raw):
+    r = httpx.post(server.url + path, json=body, timeout=30) if raw is None else \
+        httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert (err["message"] if isinstance(err, dict) else err)
+
+
+def _server_idle(url: str, timeout_s: float = 20) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{url}/serving/get_serverd_model_info", timeout=10).json()
+        if info["running"] == 0 and info["waiting"] == 0 and info["kv_usage"] == [0.0]:
+            return info
+        time.sleep(0.2)
+    raise AssertionError(f"server not idle: {info}")
+
+
+def test_client_disconnect_cancels_and_frees_blocks(server):
+    body = {"inputs": "cancel me", "parameters": {"max_new_tokens": 100, "ignore_eos": True}}
+    with httpx.stream("POST", f"{server.url}/generate_stream", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+        info = httpx.get(f"{server.url}/serving/get_serverd_model_info", timeout=10).json()
+        assert info["running"] == 1 and info["kv_usage"][0] > 0
+    _server_idle(server.url)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'llm_serving_requests_finished_total{reason="cancelled"} 1.0' in metrics
+
+
+def test_health_and_status_endpoints(server):
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+    assert httpx.get(f"{server.url}/info", timeout=10).json()["max_total_tokens"] == 128
+    toks = httpx.post(f"{server.url}/tokenize", json={"inputs": "ab"}, timeout=10).json()
+    assert [t["text"] for t in toks] == ["a", "b"]
+    assert "traceEvents" in httpx.get(f"{server.url}/debug/trace", timeout=10).json()
+
+
+def test_kv_exhaustion_preempts_and_every_request_completes(tmp_path, tiny_model_dir):
+    # 12 blocks of 4 tokens (11 usable) cannot hold 4 sequences of 8 + 24 tokens at once.
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, num_blocks=12, block_size=4))
+    try:
+        prompts = ["abcdefgh", "ijklmnop", "qrstuvwx", "yzabcdef"]
+        single = {p: original_generate(srv.url, p, new=24)["generated_text"] for p in prompts}
+        out: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda p=p: out.__setitem__(
+            p, original_generate(srv.url, p, new=24)["generated_text"])) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert out == single
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        preempted = [float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("llm_serving_preemptions_total")]
+        assert preempted and preempted[0] > 0
+    finally:
+        srv.stop()
+
+
+def test_queue_bound_gives_503_with_retry_after(tmp_path, tiny_model_dir):
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, max_queue=1, num_blocks=12, block_size=4))
+    try:
+        codes: list[int] = []
+        bodies: list[httpx.Response] = []
+
+        def one() -> None:
+            r = httpx.post(f"{srv.url}/generate", json={"inputs": "abcdefgh", "parameters": {
+                "max_new_tokens": 24, "ignore_eos": True}}, timeout=120)
+            codes.append(r.status_code)
+            bodies.append(r)
+
+        threads = [threading.Thread(target=one) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert sorted(set(codes)) == [200, 503]
+        refused = next(r for r in bodies if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and "overloaded" in refused.json()["error"]
+    finally:
+        srv.stop()
+
+
+def test_agent_sigkill_requests_move_to_live_agent_then_fail_cleanly(tmp_path, tiny_model_dir):
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2))
+    try:
+        prompts = [f"prompt number {i}" for i in range(6)]
+        single = {p: original_generate(srv.url, p, new=20)["generated_text"] for p in prompts}
+        out: dict[str, str] = {}
+        threads = [threading.Thread(target=lambda p=p: out.__setitem__(
+            p, original_generate(srv.url, p, new=20)["generated_text"])) for p in prompts]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        victim, survivor = srv.agent_pids()
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(180)
+        assert out == single  # re-run on the live agent from the tokens generated so far
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 503 and "dead" in health.json()["reason"]
+        os.kill(survivor, signal.SIGKILL)
+        time.sleep(1.0)
+        r = httpx.post(f"{srv.url}/generate", json={"inputs": "anyone?"}, timeout=30)
+        assert r.status_code >= 500 and "agent" in r.json()["error"]
+    finally:
+        srv.stop()
