@@ -1,0 +1,149 @@
+"""Agent model speed: decode step latency at several batch sizes and prefill tokens/s, for our
+MindSpore runner and for a NumPy (OpenBLAS) forward of the same weights, as ratios in one run.
+
+    python tools/bench_agent.py [--model smollm2] [--batches 1,8,32,64] [--context 128]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+
+class NumpyLlama:
+    """Eager fp32 NumPy forward with a dense per-sequence KV cache: the baseline."""
+
+    def __init__(self, cfg, w: dict[str, np.ndarray], batch: int, max_len: int):
+        from agent.model import rope_tables
+
+        self.cfg = cfg
+        self.cos, self.sin = rope_tables(cfg)
+        t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(dict(
+                n1=w[p + "input_layernorm.weight"], n2=w[p + "post_attention_layernorm.weight"],
+                qkv=t(np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], 0)),
+                o=t(w[p + "self_attn.o_proj.weight"]),
+                gu=t(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0)),
+                down=t(w[p + "mlp.down_proj.weight"])))
+        self.embed = w["model.embed_tokens.weight"]
+        self.head = t(w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed)
+        self.norm = w["model.norm.weight"]
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+
+    def _rms(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.cfg.rms_eps) * g
+
+    def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:  # x [..., n, heads, hd]
+        hd = self.cfg.head_dim
+        c, s = self.cos[pos][..., None, :], self.sin[pos][..., None, :]
+        return x * c + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * s
+
+    def forward(self, tokens: np.ndarray, start: int) -> np.ndarray:
+        """tokens [B, Q] at positions start..start+Q-1 for every row; logits of the last token [B, V]."""
+        c = self.cfg
+        b, q = tokens.shape
+        h, kv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        pos = np.arange(start, start + q)
+        x = self.embed[tokens]  # [B, Q, D]
+        end = start + q
+        mask = np.where(np.arange(end)[None, :] <= pos[:, None], 0.0, -1e9).astype(np.float32)
+        for i, L in enumerate(self.layers):
+            y = self._rms(x, L["n1"]) @ L["qkv"]
+            qh = self._rope(y[..., :h * hd].reshape(b, q, h, hd), pos)
+            kh = self._rope(y[..., h * hd:(h + kv) * hd].reshape(b, q, kv, hd), pos)
+            vh = y[..., (h + kv) * hd:].reshape(b, q, kv, hd)
+            self.k[i, :, :, start:end] = kh.transpose(0, 2, 1, 3)
+            self.v[i, :, :, start:end] = vh.transpose(0, 2, 1, 3)
+            qg = qh.reshape(b, q, kv, h // kv, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, -1, hd)
+            s = qg @ self.k[i, :, :, :end].transpose(0, 1, 3, 2) / math.sqrt(hd)
+            s = s.reshape(b, kv, h // kv, q, end) + mask
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            o = (s.reshape(b, kv, -1, end) @ self.v[i, :, :, :end]).reshape(b, kv, h // kv, q, hd)
+            x = x + o.transpose(0, 3, 1, 2, 4).reshape(b, q, h * hd) @ L["o"]
+            gu = self._rms(x, L["n2"]) @ L["gu"]
+            g, u = gu[..., :c.intermediate_size], gu[..., c.intermediate_size:]
+            x = x + (g / (1 + np.exp(-g)) * u) @ L["down"]
+        return self._rms(x[:, -1], self.norm) @ self.head
+
+
+def timeit(fn, repeat: int) -> float:
+    fn()  # warm (compiles the graph for this shape)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=128, help="tokens already in the cache at decode")
+    ap.add_argument("--prefill", type=int, default=128, help="prefill chunk length")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.weights import load_model
+    from server.model_files import resolve_model
+    from server.sampling_params import SamplingParams
+    from server.step_writer import RowInput, write_step
+    from shm.arena import Arena, ArenaSpec
+
+    setup_mindspore(".cache/mindspore")
+    max_len = 2 * max(args.context, args.prefill)
+    cfg, weights = load_model(resolve_model(args.model), max_position=max_len)
+    bs = 16
+    per_seq = max_len // bs
+    rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
+                      decode_buckets=sorted(set(batches)), prefill_buckets=[args.prefill], max_prefill_rows=1,
+                      context_buckets=[args.context + 1])
+    runner = ModelRunner(cfg, weights, rc)
+    arena = Arena.private(ArenaSpec(max(batches) + args.prefill, max(batches), per_seq))
+    greedy = SamplingParams()
+
+    def ms_decode(b: int):
+        rows = [RowInput(i, np.asarray([7], np.int32), args.context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
+                         True, greedy, args.context, 0) for i in range(b)]
+        v = arena.views(*write_step(arena, rows, bs))
+        return lambda: runner.step(v, [])
+
+    def ms_prefill():
+        rows = [RowInput(0, np.arange(args.prefill, dtype=np.int32) + 100, 0, list(range(1, 1 + per_seq)),
+                         True, greedy, args.prefill, 0)]
+        v = arena.views(*write_step(arena, rows, bs))
+        return lambda: runner.step(v, [])
+
+    print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
+          f"decode context {args.context}, prefill chunk {args.prefill}")
+    print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'speed-up':>10}")
+    for b in batches:
+        t_ms = timeit(ms_decode(b), args.repeat)
+        ref = NumpyLlama(cfg, weights, b, max_len)
+        toks = np.full((b, 1), 7, np.int64)
+        t_np = timeit(lambda: ref.forward(toks, args.context), args.repeat)
+        print(f"{'decode step B=' + str(b):<22}{t_ms * 1e3:>11.1f} ms{t_np * 1e3:>11.1f} ms{t_np / t_ms:>9.2f}x")
+    t_ms = timeit(ms_prefill(), args.repeat)
+    ref = NumpyLlama(cfg, weights, 1, max_len)
+    toks = (np.arange(args.prefill) + 100)[None]
+    t_np = timeit(lambda: ref.forward(toks, 0), args.repeat)
+    print(f"{'prefill ' + str(args.prefill) + ' tokens':<22}{args.prefill / t_ms:>10.0f} t/s"
+          f"{args.prefill / t_np:>10.0f} t/s{t_np / t_ms:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

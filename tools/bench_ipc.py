@@ -1,0 +1,88 @@
+"""IPC overhead per step (ZeroMQ + shared memory, real agent process) next to the model's decode
+step time, as a ratio in one run.
+
+Measures: heartbeat round trip; an empty `a` step (the full step path with no rows); writing a
+64-row decode step into the arena; a real batch-32 decode step of the default model.
+
+    python tools/bench_ipc.py [--config configs/smollm2.yaml] [--n 200]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from agent.launch import start_agents, stop_agents  # noqa: E402
+from server.config import load_config  # noqa: E402
+from server.main import connect_agents  # noqa: E402
+from server.sampling_params import SamplingParams  # noqa: E402
+from server.step_writer import RowInput, write_step  # noqa: E402
+from shm import protocol as P  # noqa: E402
+
+
+def median_us(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default="configs/smollm2.yaml")
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--decode-batch", type=int, default=32)
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, warmup=False)
+    procs = start_agents(cfg, args.config, {"warmup": False})
+    [client] = connect_agents(cfg)
+    try:
+        bs, width = cfg.block_size, 8
+        greedy = SamplingParams()
+
+        def rows(n: int) -> list[RowInput]:
+            return [RowInput(i, np.asarray([11], np.int32), 100, list(range(1 + i * width, 1 + (i + 1) * width)),
+                             True, greedy, 100, 0) for i in range(n)]
+
+        def step(n_tokens: int, n_rows: int, w: int) -> dict:
+            client.send_step(n_tokens, n_rows, w, [], has_prefill=False)
+            body = client.poll_step(600)
+            assert body is not None
+            return body
+
+        heartbeat = median_us(lambda: client.call(P.HEARTBEAT), args.n)
+        empty = median_us(lambda: step(0, 0, 0), args.n)
+        rows64 = rows(64)
+        write64 = median_us(lambda: write_step(client.arena, rows64, bs), args.n)
+        dims = write_step(client.arena, rows(args.decode_batch), bs)
+        step(*dims)  # compile this shape
+        walls, models = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            body = step(*dims)
+            walls.append(time.perf_counter() - t0)
+            models.append(body["model_s"])
+        decode_us = statistics.median(walls) * 1e6
+        ipc = empty + write64
+        print(f"heartbeat round trip           {heartbeat:10.1f} us")
+        print(f"empty 'a' step round trip      {empty:10.1f} us")
+        print(f"write 64-row decode step       {write64:10.1f} us")
+        print(f"decode step B={args.decode_batch:<3} (wall)        {decode_us:10.1f} us "
+              f"(model {statistics.median(models) * 1e6:.0f} us)")
+        print(f"IPC overhead / decode step     {ipc / decode_us * 100:10.3f} %  (target <= 2%)")
+    finally:
+        client.close()
+        stop_agents(procs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
