@@ -149,10 +149,11 @@ class LlamaModel(nn.Cell):
         # Cache slot of every context position of every row, in position order.
         offs = ops.arange(self.block_size, dtype=ms.int32)
         ctx_slots = (block_tables.reshape(p_rows, -1, 1) * self.block_size + offs).reshape(-1)
-        key_pos = ops.arange(ctx, dtype=ms.int32).reshape(1, 1, 1, 1, ctx)
-        visible = key_pos <= positions.reshape(p_rows, 1, 1, q_len, 1)
+        key_pos = ops.arange(ctx, dtype=ms.int32).reshape(1, 1, 1, ctx)
+        visible = key_pos <= positions.reshape(p_rows, 1, q_len, 1)
         bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
                           ops.full_like(visible, NEG_INF, dtype=ms.float32))
+        bias = ops.tile(bias, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
 
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
         for i in range(cfg.num_layers):
@@ -168,8 +169,7 @@ class LlamaModel(nn.Cell):
             keys = ops.gather(k_cache, ctx_slots, 0).reshape(p_rows, ctx, kv, hd).transpose(0, 2, 3, 1)
             vals = ops.gather(v_cache, ctx_slots, 0).reshape(p_rows, ctx, kv, hd).transpose(0, 2, 1, 3)
             qg = q.reshape(p_rows, q_len, kv, grp, hd).transpose(0, 2, 3, 1, 4).reshape(p_rows, kv, grp * q_len, hd)
-            scores = self.bmm(qg, keys).reshape(p_rows, kv, grp, q_len, ctx) * self.scale + bias
-            probs = ops.softmax(scores, -1).reshape(p_rows, kv, grp * q_len, ctx)
+            probs = ops.softmax(self.bmm(qg, keys) * self.scale + bias, -1)
             attn = self.bmm(probs, vals).reshape(p_rows, kv, grp, q_len, hd)
             attn = attn.transpose(0, 3, 1, 2, 4).reshape(n, self.q_size)
             x = x + ops.matmul(attn, self.o[i])

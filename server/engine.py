@@ -86,6 +86,7 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps: list[dict[str, Any]] = []  # recent step timeline (Chrome trace)
         self.step_count = 0
+        self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
 
     # ------------------------------------------------------------ API (any thread)
@@ -127,7 +128,8 @@ class Engine:
         running = sum(len(a.sched.running) for a in self.agents)
         waiting = sum(len(a.sched.waiting) for a in self.agents) + self.inbox.qsize()
         return {"running": running, "waiting": waiting, "agents_alive": sum(a.alive for a in self.agents),
-                "kv_usage": [round(a.sched.blocks.usage(), 4) for a in self.agents], "steps": self.step_count}
+                "kv_usage": [round(a.sched.blocks.usage(), 4) for a in self.agents], "steps": self.step_count,
+                "step_wall_s": self.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -235,6 +237,7 @@ class Engine:
         kind = "prefill" if any(p.n_tokens > 1 for p in plan) else "decode"
         self.metrics.step_time.labels(kind).observe(now - a.step_started)
         self.step_count += 1
+        self.step_wall_s += now - a.step_started
         self._record_step(a, plan, kind, now, body)
         a.sched.step_done(plan)
         f = a.client.arena.fields

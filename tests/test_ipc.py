@@ -148,3 +148,23 @@ def test_no_segment_left_after_sigkill_of_everything_and_restart(tmp_path, tiny_
     assert restarted.stop() in (0, 128 + signal.SIGTERM)
     assert not any(s.startswith(f"llmserving-{new_pid}-") for s in our_segments())  # unlinked on SIGTERM
     assert clean_stale_segments() == []
+
+
+def test_remote_agent_over_tcp_gets_tensors_as_frames(tmp_path, tiny_model_dir):
+    """agent_ip other than localhost: tcp transport, no shared memory; same outputs as ipc."""
+    results = {}
+    for ip in ("127.0.0.1", "127.0.0.2"):
+        path = tiny_config(tmp_path, tiny_model_dir, agent_ip=ip)
+        cfg = load_config(path)
+        procs = start_agents(cfg, str(path), {})
+        try:
+            [client] = connect_agents(cfg)
+            try:
+                assert client.local == (ip == "127.0.0.1") and (client.segment is None) == (ip != "127.0.0.1")
+                _decode_step(client, cfg)
+                results[ip] = int(client.arena["out_ids"][0])
+            finally:
+                client.close()
+        finally:
+            stop_agents(procs)
+    assert results["127.0.0.1"] == results["127.0.0.2"]

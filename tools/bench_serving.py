@@ -247,13 +247,19 @@ def main(argv: list[str] | None = None) -> int:
 
     rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
     summaries = []
+    base = args.base_url.rstrip("/")
     for rate in rates:
-        results, duration = asyncio.run(run_benchmark(reqs, args.backend, args.base_url.rstrip("/"), args.model,
+        before = _server_stats(base)
+        results, duration = asyncio.run(run_benchmark(reqs, args.backend, base, args.model,
                                                       rate, args.burstiness, args.max_concurrency, args.seed))
         s = summarize(results, duration)
         s["request_rate"] = rate
+        _add_server_overhead(s, before, _server_stats(base))
         summaries.append(s)
         print_table(s, f"rate {rate:g} req/s")
+        if "server_cpu_per_step_ms" in s:
+            print(f"server CPU per step: {s['server_cpu_per_step_ms']:.2f} ms = "
+                  f"{s['server_cpu_share_of_step'] * 100:.1f}% of the mean step ({s['mean_step_ms']:.1f} ms)")
         if args.save_result:
             path = Path(args.save_result)
             if len(rates) > 1:
@@ -262,6 +268,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         _plot(summaries, Path(args.save_result or "bench").with_suffix(".png"))
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def _server_stats(base: str) -> dict[str, Any] | None:
+    """Our server's counters (None for peers, which lack the endpoint)."""
+    try:
+        r = httpx.get(f"{base}/serving/get_serverd_model_info", timeout=10)
+        return r.json() if r.status_code == 200 and "server_cpu_s" in r.json() else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _add_server_overhead(s: dict[str, Any], before: dict | None, after: dict | None) -> None:
+    """Server-process CPU time per agent step, relative to the step time (the engine overlaps
+    nothing with a step's wall time, so this is the server's share of the critical path bound)."""
+    if not before or not after or after["steps"] == before["steps"]:
+        return
+    steps = after["steps"] - before["steps"]
+    cpu = (after["server_cpu_s"] - before["server_cpu_s"]) / steps
+    step = (after["step_wall_s"] - before["step_wall_s"]) / steps
+    s.update(server_cpu_per_step_ms=cpu * 1e3, mean_step_ms=step * 1e3, server_cpu_share_of_step=cpu / step)
 
 
 def _plot(summaries: list[dict[str, Any]], path: Path) -> None:
