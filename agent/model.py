@@ -122,6 +122,7 @@ class LlamaModel(nn.Cell):
         self.k_cache = ms.ParameterTuple(kc)
         self.v_cache = ms.ParameterTuple(vc)
         self.bmm = ops.BatchMatMul()
+        self.fused_decode = kv <= 8  # beyond that the kv-fold extra GEMM work outgrows the saving
 
     def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
         var = ops.mean(x * x, -1, keep_dims=True)
@@ -131,6 +132,43 @@ class LlamaModel(nn.Cell):
         half = self.cfg.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         return x * cos + ops.concat((-x2, x1), -1) * sin
+
+    def _attention(self, q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor, q_len: int) -> Tensor:
+        """General (prefill) attention. q [P*Q, H, hd]; keys/vals [P, L, kv*hd]; bias [P, 1, G*Q, L]."""
+        p_rows, ctx = keys.shape[0], keys.shape[1]
+        kv, hd, grp = self.cfg.num_kv_heads, self.cfg.head_dim, self.group
+        k_t = keys.reshape(p_rows, ctx, kv, hd).transpose(0, 2, 3, 1)  # [P, kv, hd, L]
+        v_h = vals.reshape(p_rows, ctx, kv, hd).transpose(0, 2, 1, 3)  # [P, kv, L, hd]
+        qg = q.reshape(p_rows, q_len, kv, grp, hd).transpose(0, 2, 3, 1, 4).reshape(p_rows, kv, grp * q_len, hd)
+        probs = ops.softmax(self.bmm(qg, k_t) * self.scale + bias, -1)
+        attn = self.bmm(probs, v_h).reshape(p_rows, kv, grp, q_len, hd).transpose(0, 3, 1, 2, 4)
+        return attn.reshape(p_rows * q_len, kv * grp * hd)
+
+    def _decode_attention(self, q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor, diag: tuple) -> Tensor:
+        """Q == 1 attention without permuting the gathered K/V (CPU transposes of them cost more than
+        the whole attention): multiply every key/value head against every query head in one small
+        GEMM and keep the matching (diagonal) kv blocks. q [P, H*hd]; keys/vals [P, L, kv*hd];
+        bias [P, 1, L]. Extra work is kv-fold on tiny matrices; used only while kv is small."""
+        p_rows, ctx = keys.shape[0], keys.shape[1]
+        kv, hd, grp = self.cfg.num_kv_heads, self.cfg.head_dim, self.group
+        q_t = q.reshape(p_rows, kv * grp, hd).transpose(0, 2, 1)  # [P, hd, H]: small
+        s = self.bmm(keys.reshape(p_rows, ctx * kv, hd), q_t).reshape(-1, grp)
+        # Diagonal blocks as a row gather: strided slices and middle-axis reductions are slow on CPU.
+        s = ops.gather(s, diag[0], 0).reshape(p_rows, ctx, kv * grp)
+        probs = ops.softmax(s.transpose(0, 2, 1) * self.scale + bias, -1)  # [P, H, L]
+        o = self.bmm(probs, vals).reshape(-1, hd)
+        return ops.gather(o, diag[1], 0).reshape(p_rows, kv * grp * hd)
+
+    def _diag_rows(self, p_rows: int, ctx: int) -> tuple:
+        """Row indices of the matching-head blocks in the flattened all-heads products."""
+        kv, grp = self.cfg.num_kv_heads, self.group
+        j = ops.arange(kv, dtype=ms.int32)
+        pl = ops.arange(p_rows * ctx, dtype=ms.int32).reshape(-1, 1)
+        score_rows = (pl * (kv * kv) + j * (kv + 1)).reshape(-1)  # rows (p, l, j, j) of [P, L, kv, kv]
+        p = ops.arange(p_rows, dtype=ms.int32).reshape(-1, 1, 1)
+        g = ops.arange(grp, dtype=ms.int32).reshape(1, 1, -1)
+        out_rows = (p * (kv * grp * kv) + j.reshape(1, -1, 1) * (grp * kv + 1) + g * kv).reshape(-1)
+        return score_rows, out_rows
 
     def construct(self, tokens: Tensor, positions: Tensor, slots: Tensor, block_tables: Tensor,
                   logit_rows: Tensor) -> Tensor:
@@ -151,10 +189,12 @@ class LlamaModel(nn.Cell):
         ctx_slots = (block_tables.reshape(p_rows, -1, 1) * self.block_size + offs).reshape(-1)
         key_pos = ops.arange(ctx, dtype=ms.int32).reshape(1, 1, 1, ctx)
         visible = key_pos <= positions.reshape(p_rows, 1, q_len, 1)
-        bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
-                          ops.full_like(visible, NEG_INF, dtype=ms.float32))
-        bias = ops.tile(bias, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
+        mask = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
+                          ops.full_like(visible, NEG_INF, dtype=ms.float32))  # [P, 1, Q, ctx]
+        bias = ops.tile(mask, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
 
+        fused = q_len == 1 and self.fused_decode
+        diag = self._diag_rows(p_rows, ctx) if fused else None
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
         for i in range(cfg.num_layers):
             h = self._rms(x, self.attn_norm[i])
@@ -166,12 +206,12 @@ class LlamaModel(nn.Cell):
             k = self._rope(k, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
-            keys = ops.gather(k_cache, ctx_slots, 0).reshape(p_rows, ctx, kv, hd).transpose(0, 2, 3, 1)
-            vals = ops.gather(v_cache, ctx_slots, 0).reshape(p_rows, ctx, kv, hd).transpose(0, 2, 1, 3)
-            qg = q.reshape(p_rows, q_len, kv, grp, hd).transpose(0, 2, 3, 1, 4).reshape(p_rows, kv, grp * q_len, hd)
-            probs = ops.softmax(self.bmm(qg, keys) * self.scale + bias, -1)
-            attn = self.bmm(probs, vals).reshape(p_rows, kv, grp, q_len, hd)
-            attn = attn.transpose(0, 3, 1, 2, 4).reshape(n, self.q_size)
+            keys = ops.gather(k_cache, ctx_slots, 0).reshape(p_rows, ctx, kv * hd)
+            vals = ops.gather(v_cache, ctx_slots, 0).reshape(p_rows, ctx, kv * hd)
+            if fused:
+                attn = self._decode_attention(q, keys, vals, mask.reshape(p_rows, 1, ctx), diag)
+            else:
+                attn = self._attention(q, keys, vals, bias, q_len)
             x = x + ops.matmul(attn, self.o[i])
             h = self._rms(x, self.mlp_norm[i])
             gu = ops.matmul(h, self.gate_up[i])
