@@ -163,14 +163,13 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore  # imports mindspore first
-
-    setup_mindspore(cfg.compile_cache_dir)
     from agent.weights import load_model
     from server.model_files import resolve_model
     from shm.transport import agent_address
 
     t0 = time.monotonic()
     model_cfg, weights = load_model(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.max_model_len)
+    setup_mindspore(cfg.compile_cache_dir, key=f"{model_cfg}|{cfg.num_blocks}|{cfg.block_size}")
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                       decode_buckets=cfg.decode_buckets, prefill_buckets=cfg.prefill_buckets,
                       max_prefill_rows=cfg.max_prefill_rows, context_buckets=cfg.context_buckets)

@@ -16,6 +16,9 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
+# MindSpore CPU's MatMul is fastest with [in, out] weights for few rows and with [out, in] weights
+# (transpose_b) for many: ~2.5x either way. Graphs of at least this many tokens use the latter.
+TRANSPOSED_MIN_ROWS = 96
 
 
 @dataclass
@@ -86,7 +89,6 @@ class LlamaModel(nn.Cell):
         self.scale = 1.0 / math.sqrt(hd)
 
         def param(name: str, arr: np.ndarray) -> Parameter:
-            # Linear weights are stored [in, out]: MindSpore CPU's transpose_b matmul is ~3x slower.
             return Parameter(Tensor(np.ascontiguousarray(arr, dtype=np.float32)), name=name, requires_grad=False)
 
         w = weights
@@ -99,28 +101,32 @@ class LlamaModel(nn.Cell):
         cos, sin = rope_tables(cfg)
         self.cos_table = param("cos_table", cos)
         self.sin_table = param("sin_table", sin)
-        attn_norm, mlp_norm, qkv, o, gate_up, down, kc, vc = [], [], [], [], [], [], [], []
+        attn_norm, mlp_norm, kc, vc = [], [], [], []
+        linear: dict[str, list[Parameter]] = {k: [] for k in ("qkv", "o", "gate_up", "down")}
+        linear_t: dict[str, list[Parameter]] = {k: [] for k in linear}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn_norm.append(param(f"attn_norm{i}", w[p + "input_layernorm.weight"]))
             mlp_norm.append(param(f"mlp_norm{i}", w[p + "post_attention_layernorm.weight"]))
-            # Fused projections: one GEMM for Q|K|V and one for gate|up.
-            qkv.append(param(f"qkv{i}", np.concatenate(
-                [w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0).T))
-            o.append(param(f"o{i}", w[p + "self_attn.o_proj.weight"].T))
-            gate_up.append(param(f"gate_up{i}", np.concatenate(
-                [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0).T))
-            down.append(param(f"down{i}", w[p + "mlp.down_proj.weight"].T))
+            # Fused projections: one GEMM for Q|K|V and one for gate|up. Kept in both layouts.
+            mats = {"qkv": np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0),
+                    "o": w[p + "self_attn.o_proj.weight"],
+                    "gate_up": np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0),
+                    "down": w[p + "mlp.down_proj.weight"]}
+            for name, mat in mats.items():
+                linear[name].append(param(f"{name}{i}", mat.T))
+                linear_t[name].append(param(f"{name}_t{i}", mat))
             kc.append(param(f"k_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
             vc.append(param(f"v_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
         self.attn_norm = ms.ParameterTuple(attn_norm)
         self.mlp_norm = ms.ParameterTuple(mlp_norm)
-        self.qkv = ms.ParameterTuple(qkv)
-        self.o = ms.ParameterTuple(o)
-        self.gate_up = ms.ParameterTuple(gate_up)
-        self.down = ms.ParameterTuple(down)
+        self.qkv, self.qkv_t = ms.ParameterTuple(linear["qkv"]), ms.ParameterTuple(linear_t["qkv"])
+        self.o, self.o_t = ms.ParameterTuple(linear["o"]), ms.ParameterTuple(linear_t["o"])
+        self.gate_up, self.gate_up_t = ms.ParameterTuple(linear["gate_up"]), ms.ParameterTuple(linear_t["gate_up"])
+        self.down, self.down_t = ms.ParameterTuple(linear["down"]), ms.ParameterTuple(linear_t["down"])
         self.k_cache = ms.ParameterTuple(kc)
         self.v_cache = ms.ParameterTuple(vc)
+        self.matmul_t = ops.MatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
         self.fused_decode = kv <= 8  # beyond that the kv-fold extra GEMM work outgrows the saving
 
@@ -194,11 +200,12 @@ class LlamaModel(nn.Cell):
         bias = ops.tile(mask, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
 
         fused = q_len == 1 and self.fused_decode
+        wide = n >= TRANSPOSED_MIN_ROWS
         diag = self._diag_rows(p_rows, ctx) if fused else None
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
         for i in range(cfg.num_layers):
             h = self._rms(x, self.attn_norm[i])
-            qkv = ops.matmul(h, self.qkv[i])
+            qkv = self.matmul_t(h, self.qkv_t[i]) if wide else ops.matmul(h, self.qkv[i])
             q = qkv[:, :self.q_size].reshape(n, cfg.num_heads, hd)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(n, kv, hd)
             v = qkv[:, self.q_size + self.kv_size:].reshape(n, kv, hd)
@@ -212,11 +219,12 @@ class LlamaModel(nn.Cell):
                 attn = self._decode_attention(q, keys, vals, mask.reshape(p_rows, 1, ctx), diag)
             else:
                 attn = self._attention(q, keys, vals, bias, q_len)
-            x = x + ops.matmul(attn, self.o[i])
+            x = x + (self.matmul_t(attn, self.o_t[i]) if wide else ops.matmul(attn, self.o[i]))
             h = self._rms(x, self.mlp_norm[i])
-            gu = ops.matmul(h, self.gate_up[i])
+            gu = self.matmul_t(h, self.gate_up_t[i]) if wide else ops.matmul(h, self.gate_up[i])
             gate, up = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
-            x = x + ops.matmul(ops.silu(gate) * up, self.down[i])
+            act = ops.silu(gate) * up
+            x = x + (self.matmul_t(act, self.down_t[i]) if wide else ops.matmul(act, self.down[i]))
         x = ops.gather(x, logit_rows, 0)
         logits = ops.matmul(self._rms(x, self.final_norm), self.lm_head)
         peak = logits.max(-1, keepdims=True)

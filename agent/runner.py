@@ -6,9 +6,11 @@ MindSpore compiles a handful of graphs once (and caches them on disk) instead of
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -47,13 +49,17 @@ class RunnerConfig:
             min(128, self.max_model_len), self.max_model_len)
 
 
-def setup_mindspore(cache_dir: str | None = None) -> None:
-    """Graph mode on the best device there is, with the on-disk compile cache."""
+def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
+    """Graph mode on the chosen device, with the on-disk compile cache in a folder keyed by our
+    model source and `key` (the model's shape): MindSpore's own staleness check missed source
+    changes and replayed a graph of the old code."""
     import mindspore as ms
 
     if cache_dir:
+        src = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("model.py", "runner.py"))
+        digest = hashlib.sha1(src + key.encode()).hexdigest()[:16]
         os.environ.setdefault("MS_COMPILER_CACHE_ENABLE", "1")
-        os.environ.setdefault("MS_COMPILER_CACHE_PATH", cache_dir)
+        os.environ.setdefault("MS_COMPILER_CACHE_PATH", str(Path(cache_dir) / digest))
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(os.environ.get("LLM_SERVING_DEVICE", "CPU"))
 

@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     from server.step_writer import RowInput, write_step
     from shm.arena import Arena, ArenaSpec
 
-    setup_mindspore(".cache/mindspore")
     max_len = 2 * max(args.context, args.prefill)
     cfg, weights = load_model(resolve_model(args.model), max_position=max_len)
+    setup_mindspore(".cache/mindspore", key=f"bench|{cfg}|{args.batches}|{args.context}")
     bs = 16
     per_seq = max_len // bs
     rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
