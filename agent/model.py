@@ -96,30 +96,35 @@ class LlamaModel(nn.Cell):
         head = w.get("lm_head.weight")
         if head is None or cfg.tie_word_embeddings:
             head = w["model.embed_tokens.weight"]
-        self.lm_head = param("lm_head", head.T)
-        self.final_norm = param("final_norm", w["model.norm.weight"])
+        # RMSNorm gains are folded into the weights that follow each norm, and the attention scale
+        # into the query rows (rope is linear): fewer ops per layer, the same function.
+        self.lm_head = param("lm_head", (head * w["model.norm.weight"][None, :]).T)
         cos, sin = rope_tables(cfg)
         self.cos_table = param("cos_table", cos)
         self.sin_table = param("sin_table", sin)
-        attn_norm, mlp_norm, kc, vc = [], [], [], []
+        half = hd // 2
+        rot = np.zeros((hd, hd), np.float32)  # x @ rot == concat(-x2, x1): rotate-half as one matmul
+        rot[np.arange(half) + half, np.arange(half)] = -1.0
+        rot[np.arange(half), np.arange(half) + half] = 1.0
+        self.rotate = param("rotate_half", rot)
+        kc, vc = [], []
         linear: dict[str, list[Parameter]] = {k: [] for k in ("qkv", "o", "gate_up", "down")}
         linear_t: dict[str, list[Parameter]] = {k: [] for k in linear}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            attn_norm.append(param(f"attn_norm{i}", w[p + "input_layernorm.weight"]))
-            mlp_norm.append(param(f"mlp_norm{i}", w[p + "post_attention_layernorm.weight"]))
             # Fused projections: one GEMM for Q|K|V and one for gate|up. Kept in both layouts.
-            mats = {"qkv": np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0),
+            qkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0)
+            qkv[:self.q_size] *= self.scale
+            gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
+            mats = {"qkv": qkv * w[p + "input_layernorm.weight"][None, :],
                     "o": w[p + "self_attn.o_proj.weight"],
-                    "gate_up": np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0),
+                    "gate_up": gate_up * w[p + "post_attention_layernorm.weight"][None, :],
                     "down": w[p + "mlp.down_proj.weight"]}
             for name, mat in mats.items():
                 linear[name].append(param(f"{name}{i}", mat.T))
                 linear_t[name].append(param(f"{name}_t{i}", mat))
             kc.append(param(f"k_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
             vc.append(param(f"v_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
-        self.attn_norm = ms.ParameterTuple(attn_norm)
-        self.mlp_norm = ms.ParameterTuple(mlp_norm)
         self.qkv, self.qkv_t = ms.ParameterTuple(linear["qkv"]), ms.ParameterTuple(linear_t["qkv"])
         self.o, self.o_t = ms.ParameterTuple(linear["o"]), ms.ParameterTuple(linear_t["o"])
         self.gate_up, self.gate_up_t = ms.ParameterTuple(linear["gate_up"]), ms.ParameterTuple(linear_t["gate_up"])
@@ -130,14 +135,9 @@ class LlamaModel(nn.Cell):
         self.bmm = ops.BatchMatMul()
         self.fused_decode = kv <= 8  # beyond that the kv-fold extra GEMM work outgrows the saving
 
-    def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
-        var = ops.mean(x * x, -1, keep_dims=True)
-        return x * ops.rsqrt(var + self.cfg.rms_eps) * weight
-
-    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = self.cfg.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return x * cos + ops.concat((-x2, x1), -1) * sin
+    def _rms(self, x: Tensor) -> Tensor:
+        """RMS normalisation; the gain lives in the next weight."""
+        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.cfg.rms_eps)
 
     def _attention(self, q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor, q_len: int) -> Tensor:
         """General (prefill) attention. q [P*Q, H, hd]; keys/vals [P, L, kv*hd]; bias [P, 1, G*Q, L]."""
@@ -146,7 +146,7 @@ class LlamaModel(nn.Cell):
         k_t = keys.reshape(p_rows, ctx, kv, hd).transpose(0, 2, 3, 1)  # [P, kv, hd, L]
         v_h = vals.reshape(p_rows, ctx, kv, hd).transpose(0, 2, 1, 3)  # [P, kv, L, hd]
         qg = q.reshape(p_rows, q_len, kv, grp, hd).transpose(0, 2, 3, 1, 4).reshape(p_rows, kv, grp * q_len, hd)
-        probs = ops.softmax(self.bmm(qg, k_t) * self.scale + bias, -1)
+        probs = ops.softmax(self.bmm(qg, k_t) + bias, -1)
         attn = self.bmm(probs, v_h).reshape(p_rows, kv, grp, q_len, hd).transpose(0, 3, 1, 2, 4)
         return attn.reshape(p_rows * q_len, kv * grp * hd)
 
@@ -161,7 +161,7 @@ class LlamaModel(nn.Cell):
         s = self.bmm(keys.reshape(p_rows, ctx * kv, hd), q_t).reshape(-1, grp)
         # Diagonal blocks as a row gather: strided slices and middle-axis reductions are slow on CPU.
         s = ops.gather(s, diag[0], 0).reshape(p_rows, ctx, kv * grp)
-        probs = ops.softmax(s.transpose(0, 2, 1) * self.scale + bias, -1)  # [P, H, L]
+        probs = ops.softmax(s.transpose(0, 2, 1) + bias, -1)  # [P, H, L]
         o = self.bmm(probs, vals).reshape(-1, hd)
         return ops.gather(o, diag[1], 0).reshape(p_rows, kv * grp * hd)
 
@@ -204,13 +204,13 @@ class LlamaModel(nn.Cell):
         diag = self._diag_rows(p_rows, ctx) if fused else None
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
         for i in range(cfg.num_layers):
-            h = self._rms(x, self.attn_norm[i])
+            h = self._rms(x)
             qkv = self.matmul_t(h, self.qkv_t[i]) if wide else ops.matmul(h, self.qkv[i])
-            q = qkv[:, :self.q_size].reshape(n, cfg.num_heads, hd)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(n, kv, hd)
-            v = qkv[:, self.q_size + self.kv_size:].reshape(n, kv, hd)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+            qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
+            qk = qk.reshape(n, cfg.num_heads + kv, hd)  # rope on q and k heads at once
+            qk = qk * cos + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * sin
+            q, k = ops.split(qk, (cfg.num_heads, kv), 1)
+            v = v.reshape(n, kv, hd)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
             keys = ops.gather(k_cache, ctx_slots, 0).reshape(p_rows, ctx, kv * hd)
@@ -220,13 +220,13 @@ class LlamaModel(nn.Cell):
             else:
                 attn = self._attention(q, keys, vals, bias, q_len)
             x = x + (self.matmul_t(attn, self.o_t[i]) if wide else ops.matmul(attn, self.o[i]))
-            h = self._rms(x, self.mlp_norm[i])
+            h = self._rms(x)
             gu = self.matmul_t(h, self.gate_up_t[i]) if wide else ops.matmul(h, self.gate_up[i])
-            gate, up = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+            gate, up = ops.split(gu, cfg.intermediate_size, 1)
             act = ops.silu(gate) * up
             x = x + (self.matmul_t(act, self.down_t[i]) if wide else ops.matmul(act, self.down[i]))
         x = ops.gather(x, logit_rows, 0)
-        logits = ops.matmul(self._rms(x, self.final_norm), self.lm_head)
+        logits = ops.matmul(self._rms(x), self.lm_head)
         peak = logits.max(-1, keepdims=True)
         lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
         return logits, lse
