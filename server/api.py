@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.config import ServingConfig
-from server.engine import Delta, Engine, QueueFull, Request
+from server.engine import Delta, Engine, QueueFull, Request, Sink
 from server.params import openai_params, parse_json, tgi_params, to_bool
 from server.sampling_params import InvalidRequest, SamplingParams
 from server.tokenizer import TextTokenizer
@@ -72,28 +72,33 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
 
     async def stream(http: HttpRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        queue: asyncio.Queue[Delta | None] = asyncio.Queue()  # None: the client disconnected
         rid = uuid.uuid4().hex
-        req = Request(rid, ids, params, sink=lambda d: loop.call_soon_threadsafe(queue.put_nowait, d))
+        req = Request(rid, ids, params, sink=Sink(loop, queue))
         try:
             engine.submit(req)
         except QueueFull as exc:
             raise ApiError(503, f"server overloaded: {exc}", "overloaded", {"Retry-After": "1"}) from None
         finished = False
+
+        async def watch_disconnect() -> None:  # one watcher per request, not a timeout per token
+            while not await http.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            queue.put_nowait(None)
+
+        watcher = asyncio.create_task(watch_disconnect())
         try:
             while True:
-                try:
-                    d = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return
-                    continue
+                d = await queue.get()
+                if d is None:  # the client went away
+                    return
                 if d.finish_reason:
                     finished = True
                 yield d
                 if finished:
                     return
         finally:
+            watcher.cancel()
             if not finished:  # client went away or the generator was closed: free its blocks
                 engine.abort(rid)
 

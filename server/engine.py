@@ -6,12 +6,13 @@ error fails only that step's requests; a dead or stuck agent's requests move to 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,12 +44,24 @@ class Delta:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Sink:
+    """Where a request's events go: an asyncio queue owned by `loop` (the HTTP side)."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in batch:
+        queue.put_nowait(delta)
+
+
 @dataclass
 class Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    sink: Callable[[Delta], None]  # thread-safe hand-off to the HTTP side
+    sink: Sink
     arrival: float = field(default_factory=time.monotonic)
     seq: Sequence | None = None
     detok: IncrementalDetokenizer | None = None
@@ -88,6 +101,7 @@ class Engine:
         self.step_count = 0
         self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
+        self._outbox: list[tuple[Sink, Delta]] = []  # flushed once per loop turn, not per token
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -142,12 +156,14 @@ class Engine:
                 busy = [a for a in self.agents if a.inflight is not None]
                 for a in busy:
                     self._poll(a, 0.005 if len(busy) > 1 else 0.05)
+                self._flush()
                 self._update_gauges()
         except Exception as exc:  # a bug: fail everything rather than leave requests hanging
             log.exception("engine loop crashed")
             self.fatal = f"engine crashed: {exc}"
             for req in list(self.requests.values()):
                 self._end(req, "error", self.fatal)
+            self._flush()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -171,7 +187,7 @@ class Engine:
         live = [a for a in self.agents if a.alive]
         if not live:
             self._unqueue()
-            req.sink(Delta(None, "", finish_reason="error", error="no live agent"))
+            self._emit(req, Delta(None, "", finish_reason="error", error="no live agent"))
             return
         req.detok = IncrementalDetokenizer(self.tok, req.params.stop)
         req.seq = Sequence(req.prompt, req.params, req.arrival, request=req)
@@ -272,9 +288,24 @@ class Engine:
             reason = "length"
         if reason:
             text += req.detok.finish()
-        req.sink(Delta(token, text, logprob, top))
+        self._emit(req, Delta(token, text, logprob, top))
         if reason:
             self._end(req, reason)
+
+    def _emit(self, req: Request, delta: Delta) -> None:
+        self._outbox.append((req.sink, delta))
+
+    def _flush(self) -> None:
+        """One thread-safe wake-up per event loop for everything this turn produced."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+        for sink, delta in self._outbox:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, delta))
+        self._outbox = []
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
 
     def _cancel(self, req: Request) -> None:
         a = self.agents[req.agent]
@@ -302,7 +333,7 @@ class Engine:
         n_out = len(req.seq.output) if req.seq else 0
         if req.first_token_at is not None and n_out > 1:
             self.metrics.tpot.observe((now - req.first_token_at) / (n_out - 1))
-        req.sink(Delta(None, "", finish_reason=reason, error=error))
+        self._emit(req, Delta(None, "", finish_reason=reason, error=error))
 
     def _agent_died(self, a: AgentSlot, why: str) -> None:
         log.error("agent %d: %s", a.index, why)
