@@ -1,5 +1,6 @@
 """Agent model speed: decode step latency at several batch sizes and prefill tokens/s, for our
-MindSpore runner and for a NumPy (OpenBLAS) forward of the same weights, as ratios in one run.
+MindSpore runner, a NumPy (OpenBLAS) forward and, when torch is installed, a torch-eager forward of
+the same weights, as ratios in one run.
 
     python tools/bench_agent.py [--model smollm2] [--batches 1,8,32,64] [--context 128]
 """
@@ -78,6 +79,45 @@ class NumpyLlama:
         return self._rms(x[:, -1], self.norm) @ self.head
 
 
+class TorchLlama:
+    """Eager fp32 torch forward (the issue's baseline), same dense-cache scheme as NumpyLlama."""
+
+    def __init__(self, ref: NumpyLlama):
+        import torch
+
+        self.torch, self.cfg = torch, ref.cfg
+        t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (a writable copy)
+        self.layers = [{k: t(v) for k, v in layer.items()} for layer in ref.layers]
+        self.embed, self.head, self.norm = t(ref.embed), t(ref.head), t(ref.norm)
+        self.cos, self.sin = t(ref.cos), t(ref.sin)
+        self.k, self.v = t(ref.k), t(ref.v)
+
+    def forward(self, tokens: np.ndarray, start: int) -> np.ndarray:
+        torch, c = self.torch, self.cfg
+        with torch.inference_mode():
+            tok = torch.from_numpy(tokens)
+            b, q = tok.shape
+            h, kv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+            end = start + q
+            cos, sin = self.cos[start:end][:, None], self.sin[start:end][:, None]
+            rms = lambda x, g: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + c.rms_eps) * g  # noqa: E731
+            rope = lambda x: x * cos + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin  # noqa: E731
+            x = self.embed[tok]
+            for i, L in enumerate(self.layers):
+                y = rms(x, L["n1"]) @ L["qkv"]
+                qh = rope(y[..., :h * hd].reshape(b, q, h, hd)).transpose(1, 2)
+                kh = rope(y[..., h * hd:(h + kv) * hd].reshape(b, q, kv, hd)).transpose(1, 2)
+                self.k[i, :, :, start:end] = kh
+                self.v[i, :, :, start:end] = y[..., (h + kv) * hd:].reshape(b, q, kv, hd).transpose(1, 2)
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qh, self.k[i, :, :, :end], self.v[i, :, :, :end], is_causal=q > 1, enable_gqa=True)
+                x = x + o.transpose(1, 2).reshape(b, q, h * hd) @ L["o"]
+                gu = rms(x, L["n2"]) @ L["gu"]
+                g, u = gu[..., :c.intermediate_size], gu[..., c.intermediate_size:]
+                x = x + (torch.nn.functional.silu(g) * u) @ L["down"]
+            return (rms(x[:, -1], self.norm) @ self.head).numpy()
+
+
 def timeit(fn, repeat: int) -> float:
     fn()  # warm (compiles the graph for this shape)
     t0 = time.perf_counter()
@@ -129,19 +169,33 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
           f"decode context {args.context}, prefill chunk {args.prefill}")
-    print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'speed-up':>10}")
+    try:
+        import torch  # noqa: F401  (optional: `pip install torch==2.13.0` adds the torch-eager column)
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'vs NumPy':>10}" + (f"{'torch':>14}{'vs torch':>10}"
+                                                                             if have_torch else ""))
+
+    def report(name: str, t_ms: float, ref: NumpyLlama, toks: np.ndarray, start: int, per_token: int = 0) -> None:
+        t_np = timeit(lambda: ref.forward(toks, start), args.repeat)
+        fmt = (lambda t: f"{per_token / t:>10.0f} t/s") if per_token else (lambda t: f"{t * 1e3:>11.1f} ms")
+        line = f"{name:<22}{fmt(t_ms)}{fmt(t_np)}{t_np / t_ms:>9.2f}x"
+        if have_torch:
+            tref = TorchLlama(ref)
+            diff = np.abs(tref.forward(toks, start) - ref.forward(toks, start)).max()
+            assert diff < 1e-2, f"torch and NumPy baselines disagree by {diff}"
+            t_pt = timeit(lambda: tref.forward(toks, start), args.repeat)
+            line += f"{fmt(t_pt)}{t_pt / t_ms:>9.2f}x"
+        print(line, flush=True)
+
     for b in batches:
         t_ms = timeit(ms_decode(b), args.repeat)
-        ref = NumpyLlama(cfg, weights, b, max_len)
-        toks = np.full((b, 1), 7, np.int64)
-        t_np = timeit(lambda: ref.forward(toks, args.context), args.repeat)
-        print(f"{'decode step B=' + str(b):<22}{t_ms * 1e3:>11.1f} ms{t_np * 1e3:>11.1f} ms{t_np / t_ms:>9.2f}x")
+        report(f"decode step B={b}", t_ms, NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),
+               args.context)
     t_ms = timeit(ms_prefill(), args.repeat)
-    ref = NumpyLlama(cfg, weights, 1, max_len)
-    toks = (np.arange(args.prefill) + 100)[None]
-    t_np = timeit(lambda: ref.forward(toks, 0), args.repeat)
-    print(f"{'prefill ' + str(args.prefill) + ' tokens':<22}{args.prefill / t_ms:>10.0f} t/s"
-          f"{args.prefill / t_np:>10.0f} t/s{t_np / t_ms:>9.2f}x")
+    report(f"prefill {args.prefill} tokens", t_ms, NumpyLlama(cfg, weights, 1, max_len),
+           (np.arange(args.prefill) + 100)[None], 0, per_token=args.prefill)
     return 0
 
 
