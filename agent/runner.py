@@ -61,7 +61,13 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
         os.environ.setdefault("MS_COMPILER_CACHE_ENABLE", "1")
         os.environ.setdefault("MS_COMPILER_CACHE_PATH", str(Path(cache_dir) / digest))
     ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(os.environ.get("LLM_SERVING_DEVICE", "CPU"))
+    device = os.environ.get("LLM_SERVING_DEVICE", "CPU")
+    ms.set_device(device)
+    if device == "CPU":
+        # MindSpore's CPU kernels default to 25 threads whatever the machine: on our few pinned
+        # cores they preempt each other. One per core we may run on.
+        threads = int(os.environ.get("LLM_SERVING_CPU_THREADS", 0)) or len(os.sched_getaffinity(0))
+        ms.device_context.cpu.op_tuning.threads_num(threads)
 
 
 class ModelRunner:

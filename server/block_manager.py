@@ -34,9 +34,12 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
-    def chain_hashes(self, tokens: list[int]) -> list[int]:
-        out, parent = [], 0
-        for i in range(len(tokens) // self.block_size):
+    def chain_hashes(self, tokens: list[int], known: list[int] | None = None) -> list[int]:
+        """Hash chain of the full blocks of `tokens`. `known` (a sequence's cache, a prefix of the
+        answer) is extended in place, so a growing sequence hashes each block once."""
+        out = known if known is not None else []
+        parent = out[-1] if out else 0
+        for i in range(len(out), len(tokens) // self.block_size):
             parent = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
             out.append(parent)
         return out
@@ -67,12 +70,15 @@ class BlockManager:
         table.extend(self._take() for _ in range(need))
         return True
 
-    def register_full(self, table: list[int], tokens: list[int], computed: int) -> None:
-        """Publish the computed full blocks of a sequence for prefix reuse."""
+    def register_full(self, table: list[int], tokens: list[int], computed: int, hashes: list[int]) -> None:
+        """Publish the computed full blocks of a sequence for prefix reuse; `hashes` is the
+        sequence's chain-hash cache (see chain_hashes)."""
         if not self.prefix_caching:
             return
         full = computed // self.block_size
-        for block, h in zip(table[:full], self.chain_hashes(tokens[:full * self.block_size])):
+        if len(hashes) < full:
+            self.chain_hashes(tokens[:full * self.block_size], hashes)
+        for block, h in zip(table[:full], hashes):
             if block not in self.hash_of and h not in self.by_hash:
                 self.hash_of[block], self.by_hash[h] = h, block
 

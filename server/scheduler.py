@@ -27,6 +27,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose K/V are in the cache
     table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks, grown as computed
     preemptions: int = 0
     aborted: bool = False
 
@@ -140,4 +141,4 @@ class Scheduler:
     def step_done(self, plan: list[Planned]) -> None:
         for p in plan:
             p.seq.computed += p.n_tokens
-            self.blocks.register_full(p.seq.table, p.seq.tokens, p.seq.computed)
+            self.blocks.register_full(p.seq.table, p.seq.tokens, p.seq.computed, p.seq.block_hashes)

@@ -10,10 +10,10 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from server.model_files import ModelFiles
+from server.sentencepiece import BPE, CONTROL, SpmVocab, read_model_file, spm_tokenizer
 
 # GGUF `tokenizer.ggml.pre` -> digit handling in front of the GPT-2 byte-level split.
 _INDIVIDUAL_DIGITS = {"smollm"}
-_GGUF_CONTROL = 3
 
 
 @dataclass
@@ -64,18 +64,26 @@ class TextTokenizer:
 
 
 def load_tokenizer(files: ModelFiles, tokenizer_path: str | None = None) -> TextTokenizer:
+    """`tokenizer_path` (the original config's `vocab_file`) may name a tokenizer.json or a
+    SentencePiece tokenizer.model; otherwise the model's own vocabulary is used."""
     if tokenizer_path:
-        return _from_hf_file(Path(tokenizer_path), Path(tokenizer_path).parent)
+        return _from_file(Path(tokenizer_path), Path(tokenizer_path).parent)
     if files.kind == "gguf":
         return _from_gguf(files.path)
     folder = files.path if files.path.is_dir() else files.path.parent
-    return _from_hf_file(folder / "tokenizer.json", folder)
+    if not (folder / "tokenizer.json").exists() and (folder / "tokenizer.model").exists():
+        return _from_file(folder / "tokenizer.model", folder)
+    return _from_file(folder / "tokenizer.json", folder)
 
 
-def _from_hf_file(path: Path, folder: Path) -> TextTokenizer:
+def _from_file(path: Path, folder: Path) -> TextTokenizer:
     if not path.exists():
-        raise FileNotFoundError(f"no tokenizer.json at {path}")
-    tok = Tokenizer.from_file(str(path))
+        raise FileNotFoundError(f"no tokenizer file at {path}")
+    spm = path.suffix == ".model"
+    if spm:
+        tok = spm_tokenizer(read_model_file(path.read_bytes()))
+    else:
+        tok = Tokenizer.from_file(str(path))
     cfg: dict[str, Any] = {}
     if (folder / "tokenizer_config.json").exists():
         cfg = json.loads((folder / "tokenizer_config.json").read_text())
@@ -85,11 +93,12 @@ def _from_hf_file(path: Path, folder: Path) -> TextTokenizer:
         name = v.get("content") if isinstance(v, dict) else v
         return tok.token_to_id(name) if name else None
 
-    eos = model_cfg.get("eos_token_id", token_id(cfg.get("eos_token")))
+    # SentencePiece models follow Llama's conventions unless the configs say otherwise.
+    eos = model_cfg.get("eos_token_id", token_id(cfg.get("eos_token", "</s>" if spm else None)))
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    bos = model_cfg.get("bos_token_id", token_id(cfg.get("bos_token", "<s>" if spm else None)))
     special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-    return TextTokenizer(tok, eos_ids, token_id(cfg.get("bos_token")), bool(cfg.get("add_bos_token", False)),
-                         cfg.get("chat_template"), special)
+    return TextTokenizer(tok, eos_ids, bos, bool(cfg.get("add_bos_token", spm)), cfg.get("chat_template"), special)
 
 
 def _from_gguf(path: Path) -> TextTokenizer:
@@ -97,26 +106,34 @@ def _from_gguf(path: Path) -> TextTokenizer:
 
     r = gguf.GGUFReader(str(path))
     f = r.fields
-    if f["tokenizer.ggml.model"].contents() != "gpt2":
-        raise ValueError("only GGUF byte-level BPE (gpt2) vocabularies are supported; use tokenizer.json")
+    kind = f["tokenizer.ggml.model"].contents()
     tokens = f["tokenizer.ggml.tokens"].contents()
     types = f["tokenizer.ggml.token_type"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    pre = f.get("tokenizer.ggml.pre")
-    if pre is not None and pre.contents() in _INDIVIDUAL_DIGITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"), byte_level])
+    if kind == "llama":  # SentencePiece (Llama 1/2, Mistral...): llama.cpp adds BOS by default
+        flag = lambda key, default: bool(f[key].contents()) if key in f else default  # noqa: E731
+        tok = spm_tokenizer(SpmVocab(tokens, list(f["tokenizer.ggml.scores"].contents()), list(types), BPE,
+                                     flag("tokenizer.ggml.add_space_prefix", True),
+                                     flag("tokenizer.ggml.remove_extra_whitespaces", False)))
+    elif kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = f.get("tokenizer.ggml.pre")
+        if pre is not None and pre.contents() in _INDIVIDUAL_DIGITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([t for i, t in enumerate(tokens) if types[i] == CONTROL])
     else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    special = {t: i for i, t in enumerate(tokens) if types[i] == _GGUF_CONTROL}
-    tok.add_special_tokens(list(special))
+        raise ValueError(f"unsupported GGUF vocabulary {kind!r} (gpt2 byte-level BPE and llama SentencePiece)")
+    special = {t: i for i, t in enumerate(tokens) if types[i] == CONTROL}
     bos = f.get("tokenizer.ggml.bos_token_id")
     add_bos = f.get("tokenizer.ggml.add_bos_token")
     tmpl = f.get("tokenizer.chat_template")
     return TextTokenizer(tok, [int(f["tokenizer.ggml.eos_token_id"].contents())],
-                         int(bos.contents()) if bos else None, bool(add_bos.contents()) if add_bos else False,
+                         int(bos.contents()) if bos else None,
+                         bool(add_bos.contents()) if add_bos else kind == "llama",
                          tmpl.contents() if tmpl else None, special)

@@ -42,7 +42,7 @@ def test_block_manager_prefix_cache_and_lru_eviction():
     prompt = [1, 2, 3, 4, 5]
     t1 = bm.match_prefix(prompt)
     assert t1 == [] and bm.grow(t1, 5) and 0 not in t1
-    bm.register_full(t1, prompt, 5)
+    bm.register_full(t1, prompt, 5, [])
     t2 = bm.match_prefix(prompt)
     assert t2 == t1[:2]  # two full blocks shared
     assert bm.refs[t1[0]] == 2
@@ -61,8 +61,22 @@ def test_match_prefix_leaves_one_token_to_compute():
     prompt = [1, 2, 3, 4]
     t = bm.match_prefix(prompt)
     bm.grow(t, 4)
-    bm.register_full(t, prompt, 4)
+    bm.register_full(t, prompt, 4, [])
     assert len(bm.match_prefix(prompt)) == 1  # not both blocks: the last token must run for its logits
+
+
+def test_incremental_block_hashes_equal_a_fresh_chain():
+    """A sequence's hash cache grows block by block as decode proceeds; the chain must equal the
+    one computed from scratch, or prefix hits would silently stop (or, worse, match wrong blocks)."""
+    bm = BlockManager(num_blocks=16, block_size=3)
+    tokens = list(range(100, 120))
+    cache: list[int] = []
+    table: list[int] = []
+    for n in range(1, len(tokens) + 1):
+        assert bm.grow(table, n)
+        bm.register_full(table, tokens[:n], n, cache)
+        assert cache == bm.chain_hashes(tokens[:n])
+    assert bm.match_prefix(tokens + [7]) == table[:len(tokens) // 3]
 
 
 def _cfg(**kw) -> ServingConfig:

