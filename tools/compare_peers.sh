@@ -50,8 +50,7 @@ install_llamacpp() {
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >/dev/null
   cmake --build "$src/build" --target llama-server -j "$(nproc)" >/dev/null
   mkdir -p "$PEERS/llamacpp/bin"
-  cp "$src"/build/bin/llama-server "$src"/build/bin/*.so* "$PEERS/llamacpp/bin/" 2>/dev/null || \
-    cp "$src/build/bin/llama-server" "$PEERS/llamacpp/bin/"
+  cp -a "$src/build/bin/." "$PEERS/llamacpp/bin/"  # llama-server and its shared libraries
 }
 
 export_model() {  # $1 = model name
