@@ -67,7 +67,10 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
         # MindSpore's CPU kernels default to 25 threads whatever the machine: on our few pinned
         # cores they preempt each other. One per core we may run on.
         threads = int(os.environ.get("LLM_SERVING_CPU_THREADS", 0)) or len(os.sched_getaffinity(0))
-        ms.device_context.cpu.op_tuning.threads_num(threads)
+        try:
+            ms.device_context.cpu.op_tuning.threads_num(threads)
+        except RuntimeError:  # set once per process; a later runner in the same process keeps it
+            pass
 
 
 class ModelRunner:
