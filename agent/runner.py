@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent import native
 from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import SamplingRows, needs_penalty, sample
 
@@ -42,6 +43,7 @@ class RunnerConfig:
     prefill_buckets: list[int]  # query lengths of prefill graphs
     max_prefill_rows: int = 4  # short prompts fused into one [P, Q] prefill graph
     context_buckets: list[int] = field(default_factory=list)  # attention widths; empty = powers of 2
+    native_attention: bool = True  # agent/kernels paged attention for decode when it builds (CPU)
 
     def __post_init__(self) -> None:
         ctx = [c for c in self.context_buckets if c < self.max_model_len]
@@ -57,7 +59,7 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
 
     if cache_dir:
         src = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("model.py", "runner.py"))
-        digest = hashlib.sha1(src + key.encode()).hexdigest()[:16]
+        digest = hashlib.sha1(src + native.sources_digest().encode() + key.encode()).hexdigest()[:16]
         os.environ.setdefault("MS_COMPILER_CACHE_ENABLE", "1")
         os.environ.setdefault("MS_COMPILER_CACHE_PATH", str(Path(cache_dir) / digest))
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -78,7 +80,9 @@ class ModelRunner:
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
-        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size)
+        lib = native.library("paged_attention") if rc.native_attention else None
+        self.native_attention = lib is not None
+        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.compiled: set[tuple[int, int, int]] = set()

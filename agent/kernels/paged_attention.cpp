@@ -1,0 +1,154 @@
+// Paged attention for MindSpore CPU as an AOT custom op: every query row attends over its own
+// context read straight from the flat KV cache by slot, with no gathered copy of K/V and no mask
+// tensor. Scores, softmax and the weighted sum of V for the query heads that share one KV head are
+// computed together, so each K/V row is loaded once per row and group.
+//
+// Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd],
+// ctx_slots [P, C] (cache slot of each context position of each sequence), positions [N]
+// (row n is sequence n / (N/P) and sees context positions 0..positions[n]). Output [N, H*hd].
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Args {
+  const float *q, *kc, *vc;
+  const int32_t *slots, *pos;
+  float *out;
+  int64_t n, kv, hd, grp, ctx, q_len;
+};
+
+// 8 floats: one AVX register, two NEON registers; GCC/Clang vector extensions keep this portable.
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+constexpr int64_t KEYS = 4;  // keys scored together: independent FMA chains hide their latency
+
+inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+inline v8 load(const float *p) { return *reinterpret_cast<const v8 *>(p); }
+
+// Scores of one query head against context keys [0, len) of KV head g.
+template <int64_t HD>
+void score(const float *q, const float *kc, const int32_t *slots, int64_t len, int64_t stride, float *s) {
+  v8 qv[HD / 8];
+  for (int64_t i = 0; i < HD / 8; ++i) qv[i] = load(q + 8 * i);
+  int64_t j = 0;
+  for (; j + KEYS <= len; j += KEYS) {
+    v8 acc[KEYS] = {};
+    if (j + 4 * KEYS < len)  // cache rows are scattered over blocks: fetch ahead of the hardware
+      for (int64_t t = 0; t < KEYS; ++t)
+        for (int64_t i = 0; i < HD; i += 16) __builtin_prefetch(kc + slots[j + 4 * KEYS + t] * stride + i);
+    for (int64_t i = 0; i < HD / 8; ++i)
+      for (int64_t t = 0; t < KEYS; ++t) acc[t] += qv[i] * load(kc + slots[j + t] * stride + 8 * i);
+    for (int64_t t = 0; t < KEYS; ++t) s[j + t] = hsum(acc[t]);
+  }
+  for (; j < len; ++j) {
+    v8 acc = {};
+    for (int64_t i = 0; i < HD / 8; ++i) acc += qv[i] * load(kc + slots[j] * stride + 8 * i);
+    s[j] = hsum(acc);
+  }
+}
+
+// o = sum_j p[j] * V[j] for one head, with the output row held in registers.
+template <int64_t HD>
+void weigh(const float *p, const float *vc, const int32_t *slots, int64_t len, int64_t stride, float *o) {
+  v8 acc[HD / 8] = {};
+  for (int64_t j = 0; j < len; ++j) {
+    const float *v = vc + slots[j] * stride;
+    if (j + 16 < len)
+      for (int64_t i = 0; i < HD; i += 16) __builtin_prefetch(vc + slots[j + 16] * stride + i);
+    for (int64_t i = 0; i < HD / 8; ++i) acc[i] += p[j] * load(v + 8 * i);
+  }
+  for (int64_t i = 0; i < HD / 8; ++i) *reinterpret_cast<v8 *>(o + 8 * i) = acc[i];
+}
+
+void softmax(float *s, int64_t len) {
+  const float peak = *std::max_element(s, s + len);
+  float sum = 0.f;
+  for (int64_t j = 0; j < len; ++j) sum += (s[j] = std::exp(s[j] - peak));
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+}
+
+template <int64_t HD>
+void attend_rows(const Args &a, int64_t begin, int64_t end) {
+  const int64_t kv = a.kv, heads = kv * a.grp, width = heads * HD, stride = kv * HD;
+  std::vector<float> s(a.ctx);
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
+    const int32_t *slots = a.slots + (row / a.q_len) * a.ctx;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t g = h / a.grp;
+      score<HD>(a.q + row * width + h * HD, a.kc + g * HD, slots, len, stride, s.data());
+      softmax(s.data(), len);
+      weigh<HD>(s.data(), a.vc + g * HD, slots, len, stride, a.out + row * width + h * HD);
+    }
+  }
+}
+
+// Any other head size: plain loops.
+void attend_any(const Args &a, int64_t begin, int64_t end) {
+  const int64_t hd = a.hd, kv = a.kv, heads = kv * a.grp, width = heads * hd, stride = kv * hd;
+  std::vector<float> s(a.ctx);
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
+    const int32_t *slots = a.slots + (row / a.q_len) * a.ctx;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float *q = a.q + row * width + h * hd, *kc = a.kc + (h / a.grp) * hd, *vc = a.vc + (h / a.grp) * hd;
+      for (int64_t j = 0; j < len; ++j) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < hd; ++d) acc += q[d] * kc[slots[j] * stride + d];
+        s[j] = acc;
+      }
+      softmax(s.data(), len);
+      float *o = a.out + row * width + h * hd;
+      std::fill(o, o + hd, 0.f);
+      for (int64_t j = 0; j < len; ++j)
+        for (int64_t d = 0; d < hd; ++d) o[d] += s[j] * vc[slots[j] * stride + d];
+    }
+  }
+}
+
+void attend(const Args &a, int64_t begin, int64_t end) {
+  switch (a.hd) {
+    case 64: return attend_rows<64>(a, begin, end);
+    case 128: return attend_rows<128>(a, begin, end);
+    default: return attend_any(a, begin, end);
+  }
+}
+
+}  // namespace
+
+extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  if (nparam != 6 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[3], "int32") ||
+      std::strcmp(dtypes[4], "int32"))
+    return 1;
+  Args a{static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
+         static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
+         static_cast<const int32_t *>(params[4]), static_cast<float *>(params[5]),
+         shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1], 0};
+  a.grp = shapes[0][1] / (a.kv * a.hd);
+  a.q_len = a.n / shapes[3][0];
+  const int64_t tasks = a.n;
+  // One thread per core this process may run on (agents are pinned); the caller's thread is one.
+  static const int64_t cores = [] {
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+  }();
+  const int64_t threads = std::min(cores, tasks);
+  if (threads <= 1) {
+    attend(a, 0, tasks);
+    return 0;
+  }
+  std::vector<std::thread> pool;
+  const int64_t step = (tasks + threads - 1) / threads;
+  for (int64_t b = step; b < tasks; b += step) pool.emplace_back(attend, std::cref(a), b, std::min(tasks, b + step));
+  attend(a, 0, std::min(tasks, step));
+  for (auto &t : pool) t.join();
+  return 0;
+}

@@ -1,0 +1,72 @@
+"""Native CPU kernels (MindSpore AOT custom ops), compiled on first use for the host's CPU.
+
+Only what MindSpore CPU cannot express in few fast kernels lives here: paged decode attention
+reads K/V straight from the flat cache by slot, where the pure-MindSpore path gathers a copy of
+every row's context and runs ~8 kernels per layer. Without a C++ compiler, or with
+LLM_SERVING_NATIVE=0, the model keeps the pure-MindSpore path (same results).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("llm_serving.agent")
+KERNEL_DIR = Path(__file__).with_name("kernels")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+
+
+def enabled() -> bool:
+    return os.environ.get("LLM_SERVING_NATIVE", "1") != "0" and os.environ.get("LLM_SERVING_DEVICE", "CPU") == "CPU"
+
+
+def sources_digest() -> str:
+    """Changes with the kernels' source and the switch: part of the graph compile-cache key."""
+    h = hashlib.sha1(str(enabled()).encode())
+    for src in sorted(KERNEL_DIR.glob("*.cpp")):
+        h.update(src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not be reused on another CPU (a moved home directory, a shared cache)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return flags
+
+
+def library(name: str) -> str | None:
+    """Path of the compiled kernel library `name` (agent/kernels/<name>.cpp), building it once per
+    source, compiler flags and CPU; None when native kernels are off or cannot be built."""
+    if not enabled():
+        return None
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        log.warning("no C++ compiler (%s): native kernels off, pure-MindSpore attention", cxx)
+        return None
+    src = KERNEL_DIR / f"{name}.cpp"
+    key = hashlib.sha1(src.read_bytes() + " ".join([cxx, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-serving" / "kernels"
+    out = cache / f"{name}-{key}.so"
+    if out.exists():
+        return str(out)
+    cache.mkdir(parents=True, exist_ok=True)
+    # Agents start together: each builds into its own file and renames, so none loads a half-written one.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *FLAGS, "-o", tmp, str(src)], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        log.warning("building native kernel %s failed, pure-MindSpore path used:\n%s", name, e.stderr[-2000:])
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(out)
