@@ -79,7 +79,7 @@ class LlamaModel(nn.Cell):
     """Weights are Hugging Face-named float32 numpy arrays (``model.layers.0.self_attn.q_proj.weight``...)."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], num_slots: int, block_size: int,
-                 attention_lib: str | None = None):
+                 native_lib: str | None = None):
         super().__init__()
         self.cfg = cfg
         self.block_size = block_size
@@ -136,15 +136,45 @@ class LlamaModel(nn.Cell):
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
         self.fused_decode = kv <= 16  # measured: still 1.3x faster at kv 12 (MHA); the extra GEMM work grows with kv
-        # Native paged attention (agent/kernels) for decode graphs: measured 1.2x faster per step at
-        # batch 32 than gathering K/V. Prefill keeps the GEMM path (the kernel was 1.4x slower there).
-        self.paged_attention = None if attention_lib is None else ops.Custom(
-            f"{attention_lib}:PagedAttention", out_shape=lambda q, *_: q, out_dtype=lambda q, *_: q,
-            func_type="aot")
+        # Native CPU kernels (agent/kernels), when built: paged attention for decode graphs (1.2x
+        # faster per step at batch 32 than gathering K/V; prefill keeps the GEMM path, where the
+        # kernel was 1.4x slower), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
+        self.native = native_lib is not None
+        if self.native:
+            def custom(name, out_shape, out_dtype):
+                return ops.Custom(f"{native_lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+            same = lambda x, *_: x  # noqa: E731
+            self.paged_attention = custom("PagedAttention", same, same)
+            self.rms_op = custom("RmsNorm", same, same)
+            self.swiglu_op = custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same)
+            self.rope_op = custom("Rope", lambda qkv, *_: ([qkv[0], self.q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
+                                  lambda qkv, *_: (qkv, qkv, qkv))
+            self.eps = param("rms_eps", np.array([cfg.rms_eps], np.float32))
 
     def _rms(self, x: Tensor) -> Tensor:
         """RMS normalisation; the gain lives in the next weight."""
+        if self.native:
+            return self.rms_op(x, self.eps)
         return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.cfg.rms_eps)
+
+    def _rope_split(self, qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor) -> tuple:
+        """Rotary embedding on the query and key heads of the fused projection; q [n, H, hd], k/v [n, kv, hd]."""
+        cfg = self.cfg
+        n, kv, hd = qkv.shape[0], cfg.num_kv_heads, cfg.head_dim
+        if self.native:
+            q, k, v = self.rope_op(qkv, self.cos_table, self.sin_table, pos)
+            return q.reshape(n, cfg.num_heads, hd), k, v
+        qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
+        qk = qk.reshape(n, cfg.num_heads + kv, hd)  # rope on q and k heads at once
+        qk = qk * cos + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * sin
+        q, k = ops.split(qk, (cfg.num_heads, kv), 1)
+        return q, k, v.reshape(n, kv, hd)
+
+    def _swiglu(self, gu: Tensor) -> Tensor:
+        if self.native:
+            return self.swiglu_op(gu)
+        gate, up = ops.split(gu, self.cfg.intermediate_size, 1)
+        return ops.silu(gate) * up
 
     def _attention(self, q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor, q_len: int) -> Tensor:
         """General (prefill) attention. q [P*Q, H, hd]; keys/vals [P, L, kv*hd]; bias [P, 1, G*Q, L]."""
@@ -216,7 +246,7 @@ class LlamaModel(nn.Cell):
                           ops.full_like(visible, NEG_INF, dtype=ms.float32))  # [P, 1, Q, ctx]
         bias = ops.tile(mask, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
 
-        native = q_len == 1 and self.paged_attention is not None
+        native = q_len == 1 and self.native
         fused = q_len == 1 and self.fused_decode
         wide = n >= TRANSPOSED_MIN_ROWS
         diag = self._diag_rows(p_rows, ctx) if fused and not native else None
@@ -224,11 +254,7 @@ class LlamaModel(nn.Cell):
         for i in range(cfg.num_layers):
             h = self._rms(x)
             qkv = self.matmul_t(h, self.qkv_t[i]) if wide else ops.matmul(h, self.qkv[i])
-            qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
-            qk = qk.reshape(n, cfg.num_heads + kv, hd)  # rope on q and k heads at once
-            qk = qk * cos + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * sin
-            q, k = ops.split(qk, (cfg.num_heads, kv), 1)
-            v = v.reshape(n, kv, hd)
+            q, k, v = self._rope_split(qkv, pos, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
             if native:
@@ -238,8 +264,7 @@ class LlamaModel(nn.Cell):
             x = x + (self.matmul_t(attn, self.o_t[i]) if wide else ops.matmul(attn, self.o[i]))
             h = self._rms(x)
             gu = self.matmul_t(h, self.gate_up_t[i]) if wide else ops.matmul(h, self.gate_up[i])
-            gate, up = ops.split(gu, cfg.intermediate_size, 1)
-            act = ops.silu(gate) * up
+            act = self._swiglu(gu)
             x = x + (self.matmul_t(act, self.down_t[i]) if wide else ops.matmul(act, self.down[i]))
         x = ops.gather(x, logit_rows, 0)
         logits = self.matmul_t(self._rms(x), self.lm_head)

@@ -43,7 +43,7 @@ class RunnerConfig:
     prefill_buckets: list[int]  # query lengths of prefill graphs
     max_prefill_rows: int = 4  # short prompts fused into one [P, Q] prefill graph
     context_buckets: list[int] = field(default_factory=list)  # attention widths; empty = powers of 2
-    native_attention: bool = True  # agent/kernels paged attention for decode when it builds (CPU)
+    native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
 
     def __post_init__(self) -> None:
         ctx = [c for c in self.context_buckets if c < self.max_model_len]
@@ -80,8 +80,8 @@ class ModelRunner:
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
-        lib = native.library("paged_attention") if rc.native_attention else None
-        self.native_attention = lib is not None
+        lib = native.library() if rc.native_kernels else None
+        self.native_kernels = lib is not None
         self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties

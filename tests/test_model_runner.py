@@ -21,9 +21,9 @@ def make_runner(weights, block_size: int, num_blocks: int = 0, native: bool = Tr
     num_blocks = num_blocks or 1 + 4 * (-(-128 // block_size)) + 8
     rc = RunnerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=128,
                       decode_buckets=[1, 2, 4, 8], prefill_buckets=[16, 64], max_prefill_rows=4,
-                      context_buckets=[64], native_attention=native)
+                      context_buckets=[64], native_kernels=native)
     runner = ModelRunner(tiny_model_config(), weights, rc)
-    assert runner.native_attention == native  # CI machines have a C++ compiler: the kernel must build
+    assert runner.native_kernels == native  # CI machines have a C++ compiler: the kernels must build
     return runner
 
 
@@ -70,7 +70,7 @@ def runner16(tiny_weights):
     return make_runner(tiny_weights, 16)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-attention", "mindspore-attention"])
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "mindspore-ops"])
 def test_batched_prefill_and_decode_match_reference(runner16, tiny_weights, native):
     runner = runner16 if native else make_runner(tiny_weights, 16, native=False)
     seqs, logits = PagedDriver(runner).run(PROMPTS, DECODE_STEPS)

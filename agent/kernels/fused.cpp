@@ -1,0 +1,80 @@
+// Element-wise chains of the decoder layer fused into single MindSpore CPU custom ops: each builtin
+// kernel costs tens of microseconds of dispatch whatever its size, and a decode step at small
+// batch is mostly such small kernels (RMSNorm alone is 5 of them, rotary embedding 5, SwiGLU 4).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+bool f32(const char *dtype) { return std::strcmp(dtype, "float32") == 0; }
+
+}  // namespace
+
+// y = x * rsqrt(mean(x^2) + eps) per row (the gain is folded into the next weight).
+// Inputs: x [n, d], eps [1]. Output: y [n, d].
+extern "C" int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                       void *extra) {
+  if (nparam != 3 || !f32(dtypes[0]) || !f32(dtypes[1])) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const float eps = *static_cast<const float *>(params[1]);
+  float *y = static_cast<float *>(params[2]);
+  const int64_t n = shapes[0][0], d = shapes[0][1];
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * d;
+    float *yr = y + r * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float scale = 1.f / std::sqrt(ss / d + eps);
+    for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * scale;
+  }
+  return 0;
+}
+
+// silu(gate) * up from the fused gate|up projection. Input: gu [n, 2f]. Output: [n, f].
+extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                      void *extra) {
+  if (nparam != 2 || !f32(dtypes[0])) return 1;
+  const float *gu = static_cast<const float *>(params[0]);
+  float *y = static_cast<float *>(params[1]);
+  const int64_t n = shapes[0][0], f = shapes[0][1] / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const float *g = gu + r * 2 * f, *u = g + f;
+    float *yr = y + r * f;
+    for (int64_t i = 0; i < f; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  return 0;
+}
+
+// Rotary embedding (rotate-half layout) on the query and key heads of the fused Q|K|V projection,
+// split into q, k, v. Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables [max_position, hd],
+// positions [n] int32. Outputs: q [n, h * hd], k [n, kv, hd], v [n, kv, hd].
+extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                    void *extra) {
+  if (nparam != 7 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32")) return 1;
+  const float *qkv = static_cast<const float *>(params[0]);
+  const float *cos = static_cast<const float *>(params[1]), *sin = static_cast<const float *>(params[2]);
+  const int32_t *pos = static_cast<const int32_t *>(params[3]);
+  float *q = static_cast<float *>(params[4]), *k = static_cast<float *>(params[5]), *v = static_cast<float *>(params[6]);
+  const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0];
+  const int64_t kv = shapes[5][1], hd = shapes[5][2], half = hd / 2;
+  const int64_t qw = shapes[4][1], kw = kv * hd;
+  if (qw + 2 * kw != width) return 1;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t p = std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
+    const float *c = cos + p * hd, *s = sin + p * hd, *src = qkv + r * width;
+    float *dst[2] = {q + r * qw, k + r * kw};
+    const int64_t heads[2] = {qw / hd, kv};
+    for (int t = 0; t < 2; ++t) {
+      for (int64_t h = 0; h < heads[t]; ++h, src += hd) {
+        float *o = dst[t] + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = src[i] * c[i] - src[i + half] * s[i];
+          o[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
+        }
+      }
+    }
+    std::memcpy(v + r * kw, src, sizeof(float) * kw);
+  }
+  return 0;
+}
