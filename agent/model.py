@@ -146,6 +146,7 @@ class LlamaModel(nn.Cell):
             same = lambda x, *_: x  # noqa: E731
             self.paged_attention = custom("PagedAttention", same, same)
             self.rms_op = custom("RmsNorm", same, same)
+            self.add_rms_op = custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
             self.swiglu_op = custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same)
             self.rope_op = custom("Rope", lambda qkv, *_: ([qkv[0], self.q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
                                   lambda qkv, *_: (qkv, qkv, qkv))
@@ -156,6 +157,13 @@ class LlamaModel(nn.Cell):
         if self.native:
             return self.rms_op(x, self.eps)
         return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.cfg.rms_eps)
+
+    def _add_rms(self, x: Tensor, delta: Tensor) -> tuple:
+        """The residual add and the RMSNorm after it: (x + delta, rms(x + delta))."""
+        if self.native:
+            return self.add_rms_op(x, delta, self.eps)
+        x = x + delta
+        return x, self._rms(x)
 
     def _rope_split(self, qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor) -> tuple:
         """Rotary embedding on the query and key heads of the fused projection; q [n, H, hd], k/v [n, kv, hd]."""
@@ -251,8 +259,8 @@ class LlamaModel(nn.Cell):
         wide = n >= TRANSPOSED_MIN_ROWS
         diag = self._diag_rows(p_rows, ctx) if fused and not native else None
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
+        h = self._rms(x)
         for i in range(cfg.num_layers):
-            h = self._rms(x)
             qkv = self.matmul_t(h, self.qkv_t[i]) if wide else ops.matmul(h, self.qkv[i])
             q, k, v = self._rope_split(qkv, pos, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
@@ -261,13 +269,12 @@ class LlamaModel(nn.Cell):
                 attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots.reshape(p_rows, ctx), pos)
             else:
                 attn = self._gathered_attention(q, k_cache, v_cache, ctx_slots, mask, bias, diag, fused)
-            x = x + (self.matmul_t(attn, self.o_t[i]) if wide else ops.matmul(attn, self.o[i]))
-            h = self._rms(x)
+            x, h = self._add_rms(x, self.matmul_t(attn, self.o_t[i]) if wide else ops.matmul(attn, self.o[i]))
             gu = self.matmul_t(h, self.gate_up_t[i]) if wide else ops.matmul(h, self.gate_up[i])
             act = self._swiglu(gu)
-            x = x + (self.matmul_t(act, self.down_t[i]) if wide else ops.matmul(act, self.down[i]))
-        x = ops.gather(x, logit_rows, 0)
-        logits = self.matmul_t(self._rms(x), self.lm_head)
+            x, h = self._add_rms(x, self.matmul_t(act, self.down_t[i]) if wide else ops.matmul(act, self.down[i]))
+        # h is the final norm of every row (its gain folded into lm_head); only sampled rows go on.
+        logits = self.matmul_t(ops.gather(h, logit_rows, 0), self.lm_head)
         peak = logits.max(-1, keepdims=True)
         lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
         return logits, lse

@@ -78,3 +78,26 @@ extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, con
   }
   return 0;
 }
+
+// The residual add and the RMSNorm that follows it. Inputs: x [n, d], delta [n, d], eps [1].
+// Outputs: sum = x + delta [n, d], y = rms(sum) [n, d].
+extern "C" int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  if (nparam != 5 || !f32(dtypes[0]) || !f32(dtypes[1]) || !f32(dtypes[2])) return 1;
+  const float *x = static_cast<const float *>(params[0]), *delta = static_cast<const float *>(params[1]);
+  const float eps = *static_cast<const float *>(params[2]);
+  float *sum = static_cast<float *>(params[3]), *y = static_cast<float *>(params[4]);
+  const int64_t n = shapes[0][0], d = shapes[0][1];
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * d, *dr = delta + r * d;
+    float *sr = sum + r * d, *yr = y + r * d;
+    float ss = 0.f;
+    for (int64_t i = 0; i < d; ++i) {
+      sr[i] = xr[i] + dr[i];
+      ss += sr[i] * sr[i];
+    }
+    const float scale = 1.f / std::sqrt(ss / d + eps);
+    for (int64_t i = 0; i < d; ++i) yr[i] = sr[i] * scale;
+  }
+  return 0;
+}

@@ -1,4 +1,6 @@
-"""The native paged-attention kernel (a MindSpore AOT custom op) vs a float64 NumPy attention."""
+"""Native CPU kernels: the paged-attention op vs a float64 NumPy attention, and the fallback when
+they cannot be built. (RMSNorm / rope / SwiGLU are checked through the whole model in
+test_model_runner, with and without native kernels, against the NumPy reference.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -56,3 +58,15 @@ def test_kernel_matches_numpy(heads, kv, hd, q_len):
     got = Attention()(Tensor(q), ms.Parameter(Tensor(kc), name="k"), ms.Parameter(Tensor(vc), name="v"),
                       Tensor(slots), Tensor(pos)).asnumpy()
     np.testing.assert_allclose(got, reference(q, kc, vc, slots, pos, q_len), atol=1e-4, rtol=1e-4)
+
+
+def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: a build would be needed
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert native.library() is None
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("LLM_SERVING_NATIVE", "0")
+    assert native.library() is None
+    monkeypatch.delenv("LLM_SERVING_NATIVE")
+    assert native.library() is not None  # and builds into the fresh cache
+    assert list((tmp_path / "llm-serving" / "kernels").glob("kernels-*.so"))
