@@ -176,19 +176,10 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     runner = ModelRunner(model_cfg, weights, rc, seed=index)
     del weights
     if cfg.warmup:
-        runner.warmup(default_warmup_shapes(rc))
+        runner.warmup(rc.warmup_shapes())
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "max_model_len": rc.max_model_len, "num_blocks": rc.num_blocks, "block_size": rc.block_size,
             "device_id": cfg.start_device_id + index}
     AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info).serve()
 
-
-def default_warmup_shapes(rc: Any) -> list[tuple[int, int, int]]:
-    """Every decode batch bucket, and the smallest and largest prefill chunk, at the shortest
-    context: a compile stalls its step for seconds, so the shapes every workload meets are built
-    before traffic. Longer contexts compile on first use (then load from the on-disk cache)."""
-    ctx = rc.context_buckets[0]
-    shapes = {(b, 1, ctx) for b in rc.decode_buckets}
-    shapes |= {(1, rc.prefill_buckets[0], ctx), (1, rc.prefill_buckets[-1], ctx)}
-    return sorted(shapes)

@@ -4,6 +4,9 @@ from __future__ import annotations
 from server.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"
+# A UTF-8 character has at most 4 bytes and every token adds at least one, so an incomplete
+# character never spans more than this many pending tokens: more pending means invalid bytes.
+MAX_PENDING = 3
 
 
 class IncrementalDetokenizer:
@@ -22,9 +25,25 @@ class IncrementalDetokenizer:
         prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
         full = self.tok.decode(self.ids[self._prefix:])
         if len(full) > len(prefix_text) and not full.endswith(REPLACEMENT):
-            self.text += full[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self.ids)
+            self._commit(full[len(prefix_text):], len(self.ids))
+        elif len(self.ids) - self._read > MAX_PENDING:
+            self._commit_invalid(prefix_text, full)
         return self._release(final=False)
+
+    def _commit(self, new_text: str, read: int) -> None:
+        self.text += new_text
+        self._prefix, self._read = self._read, read
+
+    def _commit_invalid(self, prefix_text: str, full: str) -> None:
+        """Too many tokens pending for one incomplete character: the text holds invalid bytes
+        (a model can emit any byte token). Release it as U+FFFD up to the latest token boundary
+        that does not cut a character (its text is a prefix of the full decode), keeping at most
+        MAX_PENDING tokens back for a character that may still complete."""
+        for end in range(len(self.ids) - MAX_PENDING, self._read, -1):
+            head = self.tok.decode(self.ids[self._prefix:end])
+            if len(head) > len(prefix_text) and full.startswith(head):
+                self._commit(head[len(prefix_text):], end)
+                return
 
     def stop_hit(self) -> bool:
         """True once a stop string appeared; the text is cut just before it."""

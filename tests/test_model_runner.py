@@ -126,3 +126,12 @@ def test_repetition_penalty_changes_greedy_output(runner16):
     out = pen[0][len(PROMPTS[0]):]
     assert pen != plain
     assert len(set(out)) == len(out)  # so strong a penalty never repeats within 16 tokens
+
+
+def test_warmup_builds_every_short_context_shape():
+    """Fused prefill rows compiled on first use stalled a 2 req/s run for 7 s: warm-up covers every
+    (rows, chunk) and decode bucket at the shortest context, and nothing wider."""
+    rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, decode_buckets=[1, 8],
+                      prefill_buckets=[32, 128], max_prefill_rows=4, context_buckets=[256, 512])
+    assert rc.warmup_shapes() == sorted([(1, 1, 256), (8, 1, 256)] +
+                                        [(p, q, 256) for p in (1, 2, 4) for q in (32, 128)])

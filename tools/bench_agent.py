@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -118,12 +120,19 @@ class TorchLlama:
             return (rms(x[:, -1], self.norm) @ self.head).numpy()
 
 
-def timeit(fn, repeat: int) -> float:
-    fn()  # warm (compiles the graph for this shape)
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+def measure(fns: dict[str, Callable[[], object]], repeat: int, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each system, timed in interleaved rounds: this VM's speed drifts
+    by 10-20% over seconds, so back-to-back blocks per system would compare different machines."""
+    for fn in fns.values():
+        fn()  # warm (compiles the graph for this shape)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="tokens already in the cache at decode")
     ap.add_argument("--prefill", type=int, default=128, help="prefill chunk length")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3, help="calls per system per round")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -177,24 +187,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'vs NumPy':>10}" + (f"{'torch':>14}{'vs torch':>10}"
                                                                              if have_torch else ""))
 
-    def report(name: str, t_ms: float, ref: NumpyLlama, toks: np.ndarray, start: int, per_token: int = 0) -> None:
-        t_np = timeit(lambda: ref.forward(toks, start), args.repeat)
-        fmt = (lambda t: f"{per_token / t:>10.0f} t/s") if per_token else (lambda t: f"{t * 1e3:>11.1f} ms")
-        line = f"{name:<22}{fmt(t_ms)}{fmt(t_np)}{t_np / t_ms:>9.2f}x"
+    def report(name: str, ms_fn: Callable[[], object], ref: NumpyLlama, toks: np.ndarray, start: int,
+               per_token: int = 0) -> None:
+        fns = {"ms": ms_fn, "np": lambda: ref.forward(toks, start)}
         if have_torch:
             tref = TorchLlama(ref)
             diff = np.abs(tref.forward(toks, start) - ref.forward(toks, start)).max()
             assert diff < 1e-2, f"torch and NumPy baselines disagree by {diff}"
-            t_pt = timeit(lambda: tref.forward(toks, start), args.repeat)
-            line += f"{fmt(t_pt)}{t_pt / t_ms:>9.2f}x"
+            fns["torch"] = lambda: tref.forward(toks, start)
+        t = measure(fns, args.repeat, args.rounds)
+        fmt = (lambda t: f"{per_token / t:>10.0f} t/s") if per_token else (lambda t: f"{t * 1e3:>11.1f} ms")
+        line = f"{name:<22}{fmt(t['ms'])}{fmt(t['np'])}{t['np'] / t['ms']:>9.2f}x"
+        if have_torch:
+            line += f"{fmt(t['torch'])}{t['torch'] / t['ms']:>9.2f}x"
         print(line, flush=True)
 
     for b in batches:
-        t_ms = timeit(ms_decode(b), args.repeat)
-        report(f"decode step B={b}", t_ms, NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),
+        report(f"decode step B={b}", ms_decode(b), NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),
                args.context)
-    t_ms = timeit(ms_prefill(), args.repeat)
-    report(f"prefill {args.prefill} tokens", t_ms, NumpyLlama(cfg, weights, 1, max_len),
+    report(f"prefill {args.prefill} tokens", ms_prefill(), NumpyLlama(cfg, weights, 1, max_len),
            (np.arange(args.prefill) + 100)[None], 0, per_token=args.prefill)
     return 0
 
