@@ -152,11 +152,18 @@ def _pin(index: int, n_agents: int, cores: list[list[int]]) -> None:
     os.sched_setaffinity(0, [c for c in want if c in avail] or avail)
 
 
+def _exit_once(*_: Any) -> None:
+    """SIGTERM: exit cleanly (the arena is unlinked on the way out). The launcher and the shell
+    may both send one; a second landing inside the exit handlers printed a SystemExit traceback."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
+
+
 def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]) -> None:
     """Spawn target: load the model for device `start_device_id + index`, then serve."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG", "INFO"),
                         format=f"%(asctime)s agent{index} %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _exit_once)
     from server.config import load_config
 
     cfg = load_config(config_path, **overrides)
