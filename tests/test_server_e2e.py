@@ -221,10 +221,11 @@ def test_agent_sigkill_requests_move_to_live_agent_then_fail_cleanly(tmp_path, t
     srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2))
     try:
         prompts = [f"prompt number {i}" for i in range(6)]
-        single = {p: original_generate(srv.url, p, new=20)["generated_text"] for p in prompts}
+        # Long enough to be in flight at the kill now that warm-up leaves nothing to compile.
+        single = {p: original_generate(srv.url, p, new=80)["generated_text"] for p in prompts}
         out: dict[str, str] = {}
         threads = [threading.Thread(target=lambda p=p: out.__setitem__(
-            p, original_generate(srv.url, p, new=20)["generated_text"])) for p in prompts]
+            p, original_generate(srv.url, p, new=80)["generated_text"])) for p in prompts]
         for t in threads:
             t.start()
         time.sleep(0.5)
@@ -233,7 +234,9 @@ def test_agent_sigkill_requests_move_to_live_agent_then_fail_cleanly(tmp_path, t
         for t in threads:
             t.join(180)
         assert out == single  # re-run on the live agent from the tokens generated so far
-        health = httpx.get(f"{srv.url}/health", timeout=10)
+        deadline = time.monotonic() + 5  # the pid/socket monitor sees a SIGKILL within ~2 s
+        while (health := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert health.status_code == 503 and "dead" in health.json()["reason"]
         os.kill(survivor, signal.SIGKILL)
         time.sleep(1.0)
