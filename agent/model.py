@@ -88,6 +88,7 @@ class LlamaModel(nn.Cell):
         self.q_size, self.kv_size = h * hd, kv * hd
         self.group = h // kv
         self.scale = 1.0 / math.sqrt(hd)
+        self.native = native_lib is not None
 
         def param(name: str, arr: np.ndarray) -> Parameter:
             return Parameter(Tensor(np.ascontiguousarray(arr, dtype=np.float32)), name=name, requires_grad=False)
@@ -99,8 +100,10 @@ class LlamaModel(nn.Cell):
             head = w["model.embed_tokens.weight"]
         # RMSNorm gains are folded into the weights that follow each norm, and the attention scale
         # into the query rows (rope is linear): fewer ops per layer, the same function.
-        # [vocab, hidden] with transpose_b: 1.6-2.5x faster on CPU than [hidden, vocab] at every batch.
-        self.lm_head = param("lm_head", head * w["model.norm.weight"][None, :])
+        head = head * w["model.norm.weight"][None, :]
+        # MindSpore's MatMul: [vocab, hidden] with transpose_b, 1.6-2.5x faster than [hidden, vocab]
+        # at every batch. oneDNN: [hidden, vocab], 2.4x faster than that at one row, 0.9x at 64.
+        self.lm_head = param("lm_head", head.T if self.native else head)
         cos, sin = rope_tables(cfg)
         self.cos_table = param("cos_table", cos)
         self.sin_table = param("sin_table", sin)
@@ -109,12 +112,33 @@ class LlamaModel(nn.Cell):
         rot[np.arange(half) + half, np.arange(half)] = -1.0
         rot[np.arange(half), np.arange(half) + half] = 1.0
         self.rotate = param("rotate_half", rot)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+        self.bmm = ops.BatchMatMul()
+        self.fused_decode = kv <= 16  # measured: still 1.3x faster at kv 12 (MHA); the extra GEMM work grows with kv
+        # Native CPU kernels (agent/kernels), when built: the projections on oneDNN's sgemm (one
+        # weight layout serves every batch size), paged attention for decode graphs (1.2x
+        # faster per step at batch 32 than gathering K/V; prefill keeps the GEMM path, where the
+        # kernel was 1.4x slower), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
+        if self.native:
+            def custom(name, out_shape, out_dtype):
+                return ops.Custom(f"{native_lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+            same = lambda x, *_: x  # noqa: E731
+            self.linear_op = custom("Linear", lambda x, w: [x[0], w[1]], same)
+            self.paged_attention = custom("PagedAttention", same, same)
+            self.rms_op = custom("RmsNorm", same, same)
+            self.add_rms_op = custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
+            self.swiglu_op = custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same)
+            self.rope_op = custom("Rope", lambda qkv, *_: ([qkv[0], self.q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
+                                  lambda qkv, *_: (qkv, qkv, qkv))
+            self.eps = param("rms_eps", np.array([cfg.rms_eps], np.float32))
+
         kc, vc = [], []
         linear: dict[str, list[Parameter]] = {k: [] for k in ("qkv", "o", "gate_up", "down")}
         linear_t: dict[str, list[Parameter]] = {k: [] for k in linear}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            # Fused projections: one GEMM for Q|K|V and one for gate|up. Kept in both layouts.
+            # Fused projections: one GEMM for Q|K|V and one for gate|up. [in, out]; MindSpore's
+            # MatMul also gets an [out, in] copy for graphs of many rows.
             qkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0)
             qkv[:self.q_size] *= self.scale
             gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
@@ -124,7 +148,8 @@ class LlamaModel(nn.Cell):
                     "down": w[p + "mlp.down_proj.weight"]}
             for name, mat in mats.items():
                 linear[name].append(param(f"{name}{i}", mat.T))
-                linear_t[name].append(param(f"{name}_t{i}", mat))
+                if not self.native:
+                    linear_t[name].append(param(f"{name}_t{i}", mat))
             kc.append(param(f"k_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
             vc.append(param(f"v_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
         self.qkv, self.qkv_t = ms.ParameterTuple(linear["qkv"]), ms.ParameterTuple(linear_t["qkv"])
@@ -133,24 +158,12 @@ class LlamaModel(nn.Cell):
         self.down, self.down_t = ms.ParameterTuple(linear["down"]), ms.ParameterTuple(linear_t["down"])
         self.k_cache = ms.ParameterTuple(kc)
         self.v_cache = ms.ParameterTuple(vc)
-        self.matmul_t = ops.MatMul(transpose_b=True)
-        self.bmm = ops.BatchMatMul()
-        self.fused_decode = kv <= 16  # measured: still 1.3x faster at kv 12 (MHA); the extra GEMM work grows with kv
-        # Native CPU kernels (agent/kernels), when built: paged attention for decode graphs (1.2x
-        # faster per step at batch 32 than gathering K/V; prefill keeps the GEMM path, where the
-        # kernel was 1.4x slower), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
-        self.native = native_lib is not None
+
+    def _linear(self, x: Tensor, ws: ms.ParameterTuple, ws_t: ms.ParameterTuple, i: int, wide: bool) -> Tensor:
+        """x @ layer i's weight of one projection."""
         if self.native:
-            def custom(name, out_shape, out_dtype):
-                return ops.Custom(f"{native_lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
-            same = lambda x, *_: x  # noqa: E731
-            self.paged_attention = custom("PagedAttention", same, same)
-            self.rms_op = custom("RmsNorm", same, same)
-            self.add_rms_op = custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
-            self.swiglu_op = custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same)
-            self.rope_op = custom("Rope", lambda qkv, *_: ([qkv[0], self.q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
-                                  lambda qkv, *_: (qkv, qkv, qkv))
-            self.eps = param("rms_eps", np.array([cfg.rms_eps], np.float32))
+            return self.linear_op(x, ws[i])
+        return self.matmul_t(x, ws_t[i]) if wide else ops.matmul(x, ws[i])
 
     def _rms(self, x: Tensor) -> Tensor:
         """RMS normalisation; the gain lives in the next weight."""
@@ -261,7 +274,7 @@ class LlamaModel(nn.Cell):
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
         h = self._rms(x)
         for i in range(cfg.num_layers):
-            qkv = self.matmul_t(h, self.qkv_t[i]) if wide else ops.matmul(h, self.qkv[i])
+            qkv = self._linear(h, self.qkv, self.qkv_t, i, wide)
             q, k, v = self._rope_split(qkv, pos, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
@@ -269,12 +282,13 @@ class LlamaModel(nn.Cell):
                 attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots.reshape(p_rows, ctx), pos)
             else:
                 attn = self._gathered_attention(q, k_cache, v_cache, ctx_slots, mask, bias, diag, fused)
-            x, h = self._add_rms(x, self.matmul_t(attn, self.o_t[i]) if wide else ops.matmul(attn, self.o[i]))
-            gu = self.matmul_t(h, self.gate_up_t[i]) if wide else ops.matmul(h, self.gate_up[i])
+            x, h = self._add_rms(x, self._linear(attn, self.o, self.o_t, i, wide))
+            gu = self._linear(h, self.gate_up, self.gate_up_t, i, wide)
             act = self._swiglu(gu)
-            x, h = self._add_rms(x, self.matmul_t(act, self.down_t[i]) if wide else ops.matmul(act, self.down[i]))
+            x, h = self._add_rms(x, self._linear(act, self.down, self.down_t, i, wide))
         # h is the final norm of every row (its gain folded into lm_head); only sampled rows go on.
-        logits = self.matmul_t(ops.gather(h, logit_rows, 0), self.lm_head)
+        last = ops.gather(h, logit_rows, 0)
+        logits = self.linear_op(last, self.lm_head) if self.native else self.matmul_t(last, self.lm_head)
         peak = logits.max(-1, keepdims=True)
         lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
         return logits, lse

@@ -1,6 +1,8 @@
 """Native CPU kernels (MindSpore AOT custom ops), compiled on first use for the host's CPU.
 
-Only what MindSpore CPU cannot express in few fast kernels lives here: paged decode attention
+Only what MindSpore CPU cannot express in few fast kernels lives here: the projections run on
+oneDNN's sgemm from the libdnnl MindSpore itself ships (faster than its MatMul, one weight layout for
+every batch size); paged decode attention
 reads K/V straight from the flat cache by slot, where the pure-MindSpore path gathers a copy of
 every row's context and runs ~8 kernels per layer; RMSNorm, rope and SwiGLU run as one op each
 instead of 4-5 small kernels, each of which costs tens of microseconds of dispatch. Without a C++
@@ -9,6 +11,7 @@ compiler, or with LLM_SERVING_NATIVE=0, the model keeps the pure-MindSpore path 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -25,12 +28,23 @@ def enabled() -> bool:
     return os.environ.get("LLM_SERVING_NATIVE", "1") != "0" and os.environ.get("LLM_SERVING_DEVICE", "CPU") == "CPU"
 
 
+def _sources() -> list[Path]:
+    return sorted(KERNEL_DIR.glob("*.cpp")) + sorted(KERNEL_DIR.glob("*.h"))
+
+
 def sources_digest() -> str:
     """Changes with the kernels' source and the switch: part of the graph compile-cache key."""
     h = hashlib.sha1(str(enabled()).encode())
-    for src in sorted(KERNEL_DIR.glob("*.cpp")):
+    for src in _sources():
         h.update(src.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _dnnl_flags() -> list[str]:
+    """Link against MindSpore's own oneDNN (libmindspore_cpu links it, so it is always there)."""
+    spec = importlib.util.find_spec("mindspore")
+    lib_dir = Path(spec.origin).parent / "lib" if spec and spec.origin else Path()
+    return [f"-L{lib_dir}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib_dir}"]
 
 
 def _cpu_signature() -> str:
@@ -52,8 +66,9 @@ def library() -> str | None:
         log.warning("no C++ compiler (%s): native kernels off, pure-MindSpore attention", cxx)
         return None
     srcs = sorted(KERNEL_DIR.glob("*.cpp"))
-    key = hashlib.sha1(b"".join(s.read_bytes() for s in srcs)
-                       + " ".join([cxx, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    link = _dnnl_flags()
+    key = hashlib.sha1(b"".join(s.read_bytes() for s in _sources())
+                       + " ".join([cxx, *FLAGS, *link, _cpu_signature()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-serving" / "kernels"
     out = cache / f"kernels-{key}.so"
     if out.exists():
@@ -63,7 +78,7 @@ def library() -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, srcs)], check=True, capture_output=True, text=True)
+        subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, srcs), *link], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         log.warning("building native kernels failed, pure-MindSpore path used:\n%s", e.stderr[-2000:])

@@ -1,5 +1,5 @@
-"""Native CPU kernels: the paged-attention op vs a float64 NumPy attention, and the fallback when
-they cannot be built. (RMSNorm / rope / SwiGLU are checked through the whole model in
+"""Native CPU kernels: the paged-attention and oneDNN projection ops vs float64 NumPy, and the
+fallback when they cannot be built. (RMSNorm / rope / SwiGLU are checked through the whole model in
 test_model_runner, with and without native kernels, against the NumPy reference.)"""
 from __future__ import annotations
 
@@ -58,6 +58,40 @@ def test_kernel_matches_numpy(heads, kv, hd, q_len):
     got = Attention()(Tensor(q), ms.Parameter(Tensor(kc), name="k"), ms.Parameter(Tensor(vc), name="v"),
                       Tensor(slots), Tensor(pos)).asnumpy()
     np.testing.assert_allclose(got, reference(q, kc, vc, slots, pos, q_len), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 100), (130, 96, 49), (64, 1536, 8)],
+                         ids=["one-row", "columns-not-a-multiple-of-16", "many-rows-odd-width", "narrower-than-a-split"])
+def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
+    """Two independent projections in one graph: MindSpore may run them at the same time, and the
+    kernels' worker pool must then give each its own correct result."""
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    setup_mindspore()
+    lib = native.library()
+    assert lib is not None
+
+    class TwoLinears(nn.Cell):
+        def __init__(self, w1, w2):
+            super().__init__()
+            self.w1 = ms.Parameter(Tensor(w1), name="w1")
+            self.w2 = ms.Parameter(Tensor(w2), name="w2")
+            self.op = ops.Custom(f"{lib}:Linear", out_shape=lambda x, w: [x[0], w[1]],
+                                 out_dtype=lambda x, w: x, func_type="aot")
+
+        def construct(self, x):
+            return self.op(x, self.w1), self.op(x, self.w2)
+
+    rng = np.random.default_rng(m * n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w1 = rng.standard_normal((k, n), dtype=np.float32)
+    w2 = rng.standard_normal((k, n), dtype=np.float32)
+    y1, y2 = TwoLinears(w1, w2)(Tensor(x))
+    x64 = x.astype(np.float64)
+    tol = 1e-5 * np.sqrt(k)  # float32 accumulation error over k products of unit-variance terms
+    np.testing.assert_allclose(y1.asnumpy(), x64 @ w1, atol=tol, rtol=1e-5)
+    np.testing.assert_allclose(y2.asnumpy(), x64 @ w2, atol=tol, rtol=1e-5)
 
 
 def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp_path):

@@ -6,14 +6,13 @@
 // Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd],
 // ctx_slots [P, C] (cache slot of each context position of each sequence), positions [N]
 // (row n is sequence n / (N/P) and sees context positions 0..positions[n]). Output [N, H*hd].
-#include <sched.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 
@@ -134,21 +133,6 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
          shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1], 0};
   a.grp = shapes[0][1] / (a.kv * a.hd);
   a.q_len = a.n / shapes[3][0];
-  const int64_t tasks = a.n;
-  // One thread per core this process may run on (agents are pinned); the caller's thread is one.
-  static const int64_t cores = [] {
-    cpu_set_t set;
-    return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
-  }();
-  const int64_t threads = std::min(cores, tasks);
-  if (threads <= 1) {
-    attend(a, 0, tasks);
-    return 0;
-  }
-  std::vector<std::thread> pool;
-  const int64_t step = (tasks + threads - 1) / threads;
-  for (int64_t b = step; b < tasks; b += step) pool.emplace_back(attend, std::cref(a), b, std::min(tasks, b + step));
-  attend(a, 0, std::min(tasks, step));
-  for (auto &t : pool) t.join();
+  kernels::parallel_ranges(a.n, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
   return 0;
 }
