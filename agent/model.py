@@ -116,9 +116,8 @@ class LlamaModel(nn.Cell):
         self.bmm = ops.BatchMatMul()
         self.fused_decode = kv <= 16  # measured: still 1.3x faster at kv 12 (MHA); the extra GEMM work grows with kv
         # Native CPU kernels (agent/kernels), when built: the projections on oneDNN's sgemm (one
-        # weight layout serves every batch size), paged attention for decode graphs (1.2x
-        # faster per step at batch 32 than gathering K/V; prefill keeps the GEMM path, where the
-        # kernel was 1.4x slower), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
+        # weight layout serves every batch size), paged attention reading the cache by slot (no
+        # gathered K/V copy, mask or permutes), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
         if self.native:
             def custom(name, out_shape, out_dtype):
                 return ops.Custom(f"{native_lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
@@ -267,10 +266,9 @@ class LlamaModel(nn.Cell):
                           ops.full_like(visible, NEG_INF, dtype=ms.float32))  # [P, 1, Q, ctx]
         bias = ops.tile(mask, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
 
-        native = q_len == 1 and self.native
         fused = q_len == 1 and self.fused_decode
         wide = n >= TRANSPOSED_MIN_ROWS
-        diag = self._diag_rows(p_rows, ctx) if fused and not native else None
+        diag = self._diag_rows(p_rows, ctx) if fused and not self.native else None
         x = ops.gather(self.embed, tokens.reshape(-1), 0)
         h = self._rms(x)
         for i in range(cfg.num_layers):
@@ -278,7 +276,7 @@ class LlamaModel(nn.Cell):
             q, k, v = self._rope_split(qkv, pos, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
-            if native:
+            if self.native:
                 attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots.reshape(p_rows, ctx), pos)
             else:
                 attn = self._gathered_attention(q, k_cache, v_cache, ctx_slots, mask, bias, diag, fused)

@@ -26,8 +26,10 @@ def reference(q, kc, vc, slots, pos, q_len):
     return out
 
 
-@pytest.mark.parametrize("heads,kv,hd,q_len", [(9, 3, 64, 1), (4, 4, 128, 1), (4, 2, 16, 1), (6, 2, 64, 3)],
-                         ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows"])
+@pytest.mark.parametrize("heads,kv,hd,q_len", [(9, 3, 64, 1), (4, 4, 128, 1), (4, 2, 16, 1), (6, 2, 64, 3),
+                                                (9, 3, 64, 40), (4, 4, 16, 8)],
+                         ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa",
+                              "prefill-gemm-mha-hd16"])
 def test_kernel_matches_numpy(heads, kv, hd, q_len):
     import mindspore as ms
     from mindspore import Tensor, nn, ops

@@ -7,10 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dnnl.h"
 #include "parallel.h"
-
-extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
-                          int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
 
 extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                       void *extra) {
