@@ -1,12 +1,12 @@
 """Native CPU kernels (MindSpore AOT custom ops), compiled on first use for the host's CPU.
 
 Only what MindSpore CPU cannot express in few fast kernels lives here: the projections run on
-oneDNN's sgemm from the libdnnl MindSpore itself ships (faster than its MatMul, one weight layout for
-every batch size); paged decode attention
-reads K/V straight from the flat cache by slot, where the pure-MindSpore path gathers a copy of
-every row's context and runs ~8 kernels per layer; RMSNorm, rope and SwiGLU run as one op each
-instead of 4-5 small kernels, each of which costs tens of microseconds of dispatch. Without a C++
-compiler, or with LLM_SERVING_NATIVE=0, the model keeps the pure-MindSpore path (same results).
+oneDNN's sgemm from the libdnnl MindSpore itself ships (faster than its MatMul, and one weight
+layout serves every batch size); paged attention reads K/V straight from the flat cache by slot,
+where the pure-MindSpore path gathers a copy of every row's context and runs ~8 kernels per
+layer; RMSNorm, rope and SwiGLU run as one op each instead of 4-5 small kernels, each of which
+costs tens of microseconds of dispatch. Without a C++ compiler, or with LLM_SERVING_NATIVE=0, the
+model keeps the pure-MindSpore path (same results).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def library() -> str | None:
         return None
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
-        log.warning("no C++ compiler (%s): native kernels off, pure-MindSpore attention", cxx)
+        log.warning("no C++ compiler (%s): native kernels off, plain MindSpore ops", cxx)
         return None
     srcs = sorted(KERNEL_DIR.glob("*.cpp"))
     link = _dnnl_flags()
