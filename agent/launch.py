@@ -20,6 +20,9 @@ from shm import protocol as P
 from shm.transport import agent_address
 
 log = logging.getLogger("llm_serving.launch")
+READY_TIMEOUT_S = 900.0  # model load + graph warm-up of one agent
+MAX_RESTARTS = 5  # launch_agents: restarts of one agent in a row (each within STABLE_S of the last)
+STABLE_S = 60.0
 
 
 class AgentStartError(RuntimeError):
@@ -46,17 +49,20 @@ def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = N
         sock.close(0)
 
 
-def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
-                 ready_timeout_s: float = 900.0) -> list[mp.process.BaseProcess]:
-    """Spawn (never fork: MindSpore hangs in a forked child) and wait for every agent."""
-    ctx = mp.get_context("spawn")
+def spawn_agent(config_path: str | None, index: int, overrides: dict[str, Any]) -> mp.process.BaseProcess:
+    """Spawn (never fork: MindSpore hangs in a forked child) agent `index`."""
     from agent.main import agent_process
 
-    procs = []
-    for i, _ in enumerate(cfg.agent_ports):
-        proc = ctx.Process(target=agent_process, args=(config_path, i, overrides), name=f"agent{i}", daemon=True)
-        proc.start()
-        procs.append(proc)
+    proc = mp.get_context("spawn").Process(target=agent_process, args=(config_path, index, overrides),
+                                           name=f"agent{index}", daemon=True)
+    proc.start()
+    return proc
+
+
+def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
+                 ready_timeout_s: float = READY_TIMEOUT_S) -> list[mp.process.BaseProcess]:
+    """Spawn every agent and wait until each answers a heartbeat."""
+    procs = [spawn_agent(config_path, i, overrides) for i in range(len(cfg.agent_ports))]
     try:
         for i, proc in enumerate(procs):
             ping(agent_address(cfg.agent_ports[i], cfg.agent_ip), ready_timeout_s, proc)
@@ -65,6 +71,18 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
         stop_agents(procs)
         raise
     return procs
+
+
+def respawn_agent(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
+                  procs: list[mp.process.BaseProcess], index: int) -> None:
+    """Replace agent `index` (dead or stuck: it is killed and reaped first) and wait until it answers."""
+    old = procs[index]
+    if old.is_alive():
+        old.kill()
+    old.join(5.0)
+    procs[index] = spawn_agent(config_path, index, overrides)
+    ping(agent_address(cfg.agent_ports[index], cfg.agent_ip), READY_TIMEOUT_S, procs[index])
+    log.info("agent %d restarted (pid %d)", index, procs[index].pid)
 
 
 def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
@@ -98,12 +116,31 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    while all(p.is_alive() for p in procs):
+    return supervise(cfg, args.config, procs)
+
+
+def supervise(cfg: ServingConfig, config_path: str | None, procs: list[mp.process.BaseProcess]) -> int:
+    """Restart agents that exit (a crash, or a runtime failure), with backoff; give up on an agent
+    that dies MAX_RESTARTS times in a row, each within STABLE_S of its restart."""
+    restarts = [0] * len(procs)
+    started = [time.monotonic()] * len(procs)
+    while True:
         time.sleep(0.5)
-    dead = [p.name for p in procs if not p.is_alive()]
-    log.info("agent(s) %s exited; stopping the rest", dead)
-    stop_agents(procs)
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+        for i, proc in enumerate(procs):
+            if proc.is_alive():
+                continue
+            restarts[i] = restarts[i] + 1 if time.monotonic() - started[i] < STABLE_S else 1
+            if restarts[i] > MAX_RESTARTS:
+                log.error("agent %d died %d times in a row (exit code %s); stopping", i, MAX_RESTARTS, proc.exitcode)
+                stop_agents(procs)
+                return 1
+            log.warning("agent %d exited with code %s; restart %d/%d", i, proc.exitcode, restarts[i], MAX_RESTARTS)
+            time.sleep(0.0 if restarts[i] == 1 else min(30.0, 2.0 ** (restarts[i] - 2)))
+            try:
+                respawn_agent(cfg, config_path, {}, procs, i)
+            except AgentStartError as exc:
+                log.error("%s", exc)
+            started[i] = time.monotonic()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,13 @@ from shm.transport import _pid_alive, load_step_frames
 
 log = logging.getLogger("llm_serving.agent")
 IDLE_POLL_MS = 500
-REMOTE_IDLE_TIMEOUT_S = 30.0  # a tcp server that sent nothing (not even heartbeats) this long is gone
+# A tcp server that sent nothing (its idle heartbeats included) this long is gone.
+REMOTE_IDLE_TIMEOUT_S = float(os.environ.get("LLM_SERVING_REMOTE_IDLE_S", 30.0))
+
+
+class RuntimeFailure(RuntimeError):
+    """The model step itself raised: MindSpore may now fail every later step ("an error occurred in
+    the previous step"), so the agent replies, exits, and is restarted by its supervisor."""
 
 
 class AgentServer:
@@ -32,6 +38,7 @@ class AgentServer:
         self.server_pid: int | None = None
         self.last_msg = time.monotonic()
         self.exiting = False
+        self.failed = False  # exited after a RuntimeFailure
 
     # ------------------------------------------------------------ attachment
     def _attached_to_live_server(self) -> bool:
@@ -74,7 +81,10 @@ class AgentServer:
             load_step_frames(self.arena, msg)
         v = self.arena.views(n_tokens, n_rows, width)
         self._check_ranges(v)
-        model_s = self.runner.step(v, h["free"])
+        try:
+            model_s = self.runner.step(v, h["free"])
+        except Exception as exc:
+            raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else self.arena.output_frames(n_rows)
         return {"model_s": model_s}, frames
 
@@ -111,6 +121,10 @@ class AgentServer:
             else:  # heartbeat
                 body = {"pid": os.getpid(), "attached": self.arena is not None}
             return P.encode_reply(True, {**body, "id": mid}, frames)
+        except RuntimeFailure as exc:
+            log.error("model step failed; exiting for a restart: %s", exc)
+            self.exiting = self.failed = True
+            return P.encode_reply(False, {"error": str(exc), "fatal": True, "id": mid})
         except Exception as exc:  # the agent keeps serving; the server decides what fails
             log.warning("command %r failed: %s", msg.cmd, exc)
             log.debug("%s", traceback.format_exc())
@@ -169,17 +183,18 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     cfg = load_config(config_path, **overrides)
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
-    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore  # imports mindspore first
+    from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
     from agent.weights import load_model
     from server.model_files import resolve_model
     from shm.transport import agent_address
 
     t0 = time.monotonic()
     model_cfg, weights = load_model(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.max_model_len)
-    setup_mindspore(cfg.compile_cache_dir, key=f"{model_cfg}|{cfg.num_blocks}|{cfg.block_size}")
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                       decode_buckets=cfg.decode_buckets, prefill_buckets=cfg.prefill_buckets,
                       max_prefill_rows=cfg.max_prefill_rows, context_buckets=cfg.context_buckets)
+    # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
+    setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=compile_cache_key(model_cfg, rc))
     runner = ModelRunner(model_cfg, weights, rc, seed=index)
     del weights
     if cfg.warmup:
@@ -188,5 +203,8 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "max_model_len": rc.max_model_len, "num_blocks": rc.num_blocks, "block_size": rc.block_size,
             "device_id": cfg.start_device_id + index}
-    AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info).serve()
+    server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info)
+    server.serve()
+    if server.failed:
+        sys.exit(3)
 

@@ -61,17 +61,23 @@ class RunnerConfig:
         return sorted(shapes)
 
 
+def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
+    """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
+    exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
+    return f"{model_cfg}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.warmup_shapes()}"
+
+
 def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
     """Graph mode on the chosen device, with the on-disk compile cache in a folder keyed by our
-    model source and `key` (the model's shape): MindSpore's own staleness check missed source
+    model source and `key` (compile_cache_key): MindSpore's own staleness check missed source
     changes and replayed a graph of the old code."""
     import mindspore as ms
 
     if cache_dir:
         src = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("model.py", "runner.py"))
         digest = hashlib.sha1(src + native.sources_digest().encode() + key.encode()).hexdigest()[:16]
-        os.environ.setdefault("MS_COMPILER_CACHE_ENABLE", "1")
-        os.environ.setdefault("MS_COMPILER_CACHE_PATH", str(Path(cache_dir) / digest))
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
     ms.set_context(mode=ms.GRAPH_MODE)
     device = os.environ.get("LLM_SERVING_DEVICE", "CPU")
     ms.set_device(device)
@@ -83,6 +89,15 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
             ms.device_context.cpu.op_tuning.threads_num(threads)
         except RuntimeError:  # set once per process; a later runner in the same process keeps it
             pass
+
+
+def freeze_compile_cache() -> None:
+    """Stop using the on-disk compile cache once warm-up has built its fixed sequence of graphs.
+    MindSpore names cached graphs by compile order (compile_cache_0, _1, ...) in one folder read once
+    per process, so a graph first built under traffic (shapes met in any order) could be handed to
+    another shape on the next start: Reshape size mismatch, and every later step failed. Warm-up
+    order is fixed by the key, so its graphs still load from the cache; later ones are built anew."""
+    os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
 
 
 class ModelRunner:
@@ -201,9 +216,11 @@ class ModelRunner:
         self.histories.clear()
 
     def warmup(self, shapes: list[tuple[int, int, int]]) -> None:
-        """Compile (P, Q, context) graphs ahead of traffic."""
+        """Compile (P, Q, context) graphs ahead of traffic, in the given (fixed) order; graphs
+        built later never touch the on-disk cache."""
         for p, q, ctx in shapes:
             width = self._width_bucket(ctx)
             z = np.zeros((p, q), np.int32)
             self._run(z, z, z.reshape(-1), np.zeros((p, width), np.int32),
                       np.arange(p, dtype=np.int32) * q)
+        freeze_compile_cache()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 TOP_P_CANDIDATES = 256
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): 1/T would overflow
+LOGIT_BOUND = 1e30  # penalised logits are clipped here, so no accepted penalty makes inf or NaN
 
 
 @dataclass
@@ -30,7 +32,7 @@ class SamplingRows:
 
 @dataclass
 class SampleResult:
-    ids: np.ndarray  # int32 [R]
+    ids: np.ndarray  # int32 [R]; -1 where the row's sampling failed (that row fails alone)
     logprobs: np.ndarray  # float32 [R]
     top_ids: np.ndarray  # int32 [R, n]
     top_logprobs: np.ndarray  # float32 [R, n]
@@ -43,14 +45,16 @@ def needs_penalty(p: SamplingRows) -> np.ndarray:
 def apply_penalties(row: np.ndarray, history: np.ndarray, prompt_len: int, rep: float, pres: float,
                     freq: float) -> None:
     """In place. Repetition penalty over prompt+output (as in HF/vLLM); presence/frequency over output."""
-    if rep != 1.0 and history.size:
-        seen = np.unique(history)
-        vals = row[seen]
-        row[seen] = np.where(vals > 0, vals / rep, vals * rep)
-    out = history[prompt_len:]
-    if out.size and (pres or freq):
-        ids, counts = np.unique(out, return_counts=True)
-        row[ids] -= pres + freq * counts
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        if rep != 1.0 and history.size:
+            seen = np.unique(history)
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals / rep, vals * rep)
+        out = history[prompt_len:]
+        if out.size and (pres or freq):
+            ids, counts = np.unique(out, return_counts=True)
+            row[ids] -= pres + freq * counts
+    np.clip(row, -LOGIT_BOUND, LOGIT_BOUND, out=row)
 
 
 def _nucleus(probs: np.ndarray, cand: np.ndarray, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
@@ -73,6 +77,8 @@ def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     z -= z.max()
     probs = np.exp(z)
     probs /= probs.sum()
+    if not np.isfinite(probs).all():
+        raise FloatingPointError("logits are not finite")
     vocab = probs.size
     if 0 < top_k < vocab:
         cand = np.argpartition(-probs, top_k - 1)[:top_k]
@@ -104,17 +110,23 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingRows, histories:
         top_lps[r, :n] = logits[r, best] - lse[r]
     raw = logits.copy() if np.any(needs_penalty(params)) else logits
 
+    failed = np.zeros(rows, bool)
     for r in np.nonzero(needs_penalty(params))[0]:
         hist = histories[r]
         if hist is not None:
             apply_penalties(logits[r], hist, int(params.prompt_len[r]), float(params.repetition_penalty[r]),
                             float(params.presence_penalty[r]), float(params.frequency_penalty[r]))
     ids = np.argmax(logits, axis=-1).astype(np.int32)
-    for r in np.nonzero(params.temperature > 0)[0]:
+    for r in np.nonzero(params.temperature >= SAMPLING_EPS)[0]:
         seed = int(params.seed[r])
         # Stateless per-step stream: reproducible across preemption and agent changes.
         row_rng = np.random.default_rng([seed, int(params.output_len[r])]) if seed >= 0 else rng
-        ids[r] = _sample_row(logits[r], float(params.temperature[r]), int(params.top_k[r]),
-                             float(params.top_p[r]), float(params.min_p[r]), row_rng)
-    logprobs = (raw[np.arange(rows), ids] - lse).astype(np.float32)
+        try:
+            ids[r] = _sample_row(logits[r], float(params.temperature[r]), int(params.top_k[r]),
+                                 float(params.top_p[r]), float(params.min_p[r]), row_rng)
+        except (ValueError, FloatingPointError):  # this row fails alone; its neighbours go on
+            failed[r] = True
+    failed |= ~np.isfinite(raw[np.arange(rows), ids])
+    ids[failed] = -1
+    logprobs = (raw[np.arange(rows), np.maximum(ids, 0)] - lse).astype(np.float32)
     return SampleResult(ids, logprobs, top_ids, top_lps)

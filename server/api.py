@@ -22,6 +22,9 @@ from server.sampling_params import InvalidRequest, SamplingParams
 from server.tokenizer import TextTokenizer
 
 DISCONNECT_POLL_S = 0.5
+# A prompt whose first max_model_len * 16 characters already make max_model_len tokens is refused
+# without tokenising the rest (a 5 MB prompt: milliseconds instead of seconds of a worker thread).
+PROBE_CHARS_PER_TOKEN = 16
 
 
 @dataclass
@@ -56,10 +59,18 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
 
     # ------------------------------------------------------------ core
     def encode_prompt(text: Any, params: SamplingParams) -> list[int]:
-        if isinstance(text, list) and all(isinstance(t, int) for t in text) and text:
-            ids = text  # OpenAI accepts token ids
+        """Token ids of a prompt, checked against the context; resolves the default max_new_tokens.
+        Runs in a worker thread (see `prepare`)."""
+        if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+            ids = text  # OpenAI and TGI accept token ids
         elif isinstance(text, str) and text:
-            ids = tok.encode(text)
+            probe = text[:cfg.max_model_len * PROBE_CHARS_PER_TOKEN]
+            if len(probe) < len(text) and len(tok.encode(probe)) >= cfg.max_model_len:
+                raise InvalidRequest(f"prompt is more than {cfg.max_model_len - 1} tokens, the maximum")
+            try:
+                ids = tok.encode(text)
+            except Exception:  # e.g. lone UTF-16 surrogates from a JSON escape
+                raise InvalidRequest("the prompt could not be tokenised (invalid Unicode?)") from None
         else:
             raise InvalidRequest("the prompt must be a non-empty string")
         if any(t < 0 or t >= tok.vocab_size for t in ids):
@@ -67,8 +78,21 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         room = cfg.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum is {cfg.max_model_len - 1}")
-        params.max_new_tokens = min(params.max_new_tokens, room)
+        if params.max_new_tokens is None:
+            params.max_new_tokens = min(default_max, room)
+        elif params.max_new_tokens > room:
+            raise InvalidRequest(f"this model's maximum context length is {cfg.max_model_len} tokens; the request "
+                                 f"asks for {len(ids) + params.max_new_tokens} ({len(ids)} in the prompt, "
+                                 f"{params.max_new_tokens} to generate)")
         return ids
+
+    async def prepare(text: Any, params: SamplingParams) -> list[int]:
+        """Tokenise off the event loop: other clients and /health answer while a huge prompt is read."""
+        return await asyncio.to_thread(encode_prompt, text, params)
+
+    def prompt_text(prompt: Any, ids: list[int]) -> str:
+        """The prompt as text, for return_full_text (token-id prompts are decoded)."""
+        return prompt if isinstance(prompt, str) else tok.decode(ids)
 
     async def stream(http: HttpRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()
@@ -115,7 +139,17 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         return Result(text, tokens, reason, len(ids))
 
     async def body_of(http: HttpRequest) -> dict[str, Any]:
-        return parse_json(await http.body())
+        too_big = ApiError(413, f"request body is larger than {cfg.max_body_bytes} bytes", "payload_too_large")
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cfg.max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
 
     def token_json(d: Delta) -> dict[str, Any]:
         return {"id": d.token_id, "logprob": d.logprob, "special": tok.is_special(d.token_id or -1), "text": d.text}
@@ -126,13 +160,13 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
     # ------------------------------------------------------------ original llm-serving API
     async def original(http: HttpRequest, model: str, force_stream: bool | None) -> Response:
         b = await body_of(http)
-        params, opts = tgi_params(b.get("parameters"), default_max)
+        params, opts = tgi_params(b.get("parameters"))
         streaming = force_stream if force_stream is not None else to_bool(b.get("stream", False), "stream")
         prompt = b.get("inputs")
-        ids = encode_prompt(prompt, params)
+        ids = await prepare(prompt, params)
         if not streaming:
             r = await collect(http, ids, params)
-            text = (prompt + r.text) if opts["return_full_text"] else r.text
+            text = (prompt_text(prompt, ids) + r.text) if opts["return_full_text"] else r.text
             return JSONResponse({"generated_text": text, "finish_reason": r.finish_reason,
                                  "generated_tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
                                  "tokens": [token_json(t) for t in r.tokens]})
@@ -148,7 +182,7 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
                     item = {"generated_text": d.text, "tokens": token_json(d)}
                     yield json.dumps({"event": "message", "retry": 30000, "data": [item]}, ensure_ascii=False) + "\n"
                 if d.finish_reason:
-                    last = {"generated_text": (prompt + full) if opts["return_full_text"] else "",
+                    last = {"generated_text": (prompt_text(prompt, ids) + full) if opts["return_full_text"] else "",
                             "finish_reason": d.finish_reason}
                     if opts["return_full_text"]:
                         yield json.dumps({"event": "message", "retry": 30000, "data": [last]},
@@ -178,10 +212,11 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
     @app.post("/generate")
     async def tgi_generate(http: HttpRequest) -> Response:
         b = await body_of(http)
-        params, opts = tgi_params(b.get("parameters"), default_max)
-        ids = encode_prompt(b.get("inputs"), params)
+        params, opts = tgi_params(b.get("parameters"))
+        ids = await prepare(b.get("inputs"), params)
         r = await collect(http, ids, params)
-        out: dict[str, Any] = {"generated_text": (b["inputs"] + r.text) if opts["return_full_text"] else r.text}
+        out: dict[str, Any] = {"generated_text": (prompt_text(b["inputs"], ids) + r.text)
+                               if opts["return_full_text"] else r.text}
         if opts["details"]:
             out["details"] = tgi_details(r.finish_reason, len(r.tokens), params, [token_json(t) for t in r.tokens])
         return JSONResponse(out)
@@ -189,8 +224,8 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
     @app.post("/generate_stream")
     async def tgi_generate_stream(http: HttpRequest) -> Response:
         b = await body_of(http)
-        params, opts = tgi_params(b.get("parameters"), default_max)
-        ids = encode_prompt(b.get("inputs"), params)
+        params, opts = tgi_params(b.get("parameters"))
+        ids = await prepare(b.get("inputs"), params)
 
         async def events() -> AsyncIterator[str]:
             full, n = "", 0
@@ -205,7 +240,8 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
                 end = d.finish_reason is not None
                 yield sse({"token": token_json(d) if d.token_id is not None else {"id": None, "text": d.text,
                                                                                    "logprob": None, "special": True},
-                           "generated_text": ((b["inputs"] + full) if opts["return_full_text"] else full) if end else None,
+                           "generated_text": ((prompt_text(b["inputs"], ids) + full) if opts["return_full_text"]
+                                              else full) if end else None,
                            "details": tgi_details(d.finish_reason, n, params, []) if end else None})
 
         return StreamingResponse(await _primed(events()), media_type="text/event-stream")
@@ -222,7 +258,10 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         text = b.get("inputs")
         if not isinstance(text, str):
             raise InvalidRequest("inputs must be a string")
-        enc = tok.tok.encode(text, add_special_tokens=False)
+        try:
+            enc = await asyncio.to_thread(lambda: tok.tok.encode_batch([text], add_special_tokens=False)[0])
+        except Exception:
+            raise InvalidRequest("inputs could not be tokenised (invalid Unicode?)") from None
         return [{"id": i, "text": text[s:e], "start": s, "stop": e} for i, (s, e) in zip(enc.ids, enc.offsets)]
 
     # ------------------------------------------------------------ OpenAI
@@ -249,19 +288,22 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
 
     async def openai(http: HttpRequest, chat: bool) -> Response:
         b = await body_of(http)
-        params = openai_params(b, default_max, chat)
+        params = openai_params(b, chat)
         if chat:
             msgs = b.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in msgs):
                 raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
-            prompt: Any = tok.apply_chat_template(msgs, add_generation_prompt=True)
+            try:
+                prompt: Any = await asyncio.to_thread(tok.apply_chat_template, msgs, True)
+            except Exception as exc:  # a template may raise on unexpected roles or order
+                raise InvalidRequest(f"the chat template rejected the messages: {exc}") from None
         else:
             prompt = b.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
-        ids = encode_prompt(prompt, params)
+        ids = await prepare(prompt, params)
         want_lp = params.logprobs > 0 or (chat and to_bool(b.get("logprobs", False), "logprobs"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, model = int(time.time()), b.get("model") or cfg.model_name
@@ -276,7 +318,10 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
                 choice["text"] = r.text
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
                                  "choices": [choice], "usage": usage(len(ids), len(r.tokens))})
-        include_usage = bool((b.get("stream_options") or {}).get("include_usage", False))
+        options = b.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise InvalidRequest("stream_options must be an object")
+        include_usage = to_bool(options.get("include_usage", False), "stream_options.include_usage")
 
         async def chunks() -> AsyncIterator[str]:
             n = 0
@@ -322,8 +367,8 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
     # ------------------------------------------------------------ operations
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, why = engine.health()
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "reason": why}, status_code=200 if ok else 503)
+        status, why = engine.health()
+        return JSONResponse({"status": status, "reason": why}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -41,7 +41,11 @@ class ServingConfig:
     max_queue: int = 512  # waiting requests before 503
     max_num_batched_tokens: int = 0  # token budget per step; 0 = largest prefill bucket
     schedule_policy: str = "fcfs"  # fcfs | sjf (shortest max_new_tokens first) | priority
-    step_timeout_s: float = 120.0
+    step_timeout_s: float = 120.0  # a step longer than this: the agent is stuck, killed and restarted
+    heartbeat_s: float = 5.0  # idle agents are pinged this often (remote agents exit after ~30 s of silence)
+    max_agent_restarts: int = 5  # restarts in a row (no successful step between) before giving up
+    recovery_deadline_s: float = 300.0  # a request waiting this long for a recovering agent fails
+    max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
     warmup: bool = True
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     # pa_config
@@ -70,6 +74,10 @@ class ServingConfig:
             raise ValueError("pa_config: block_size >= 1 and num_blocks >= 2 (block 0 is reserved)")
         if not self.agent_ports:
             raise ValueError("serving_config.agent_ports must list at least one port")
+        if (self.num_blocks - 1) * self.block_size < self.max_model_len:
+            raise ValueError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
+                             f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
+                             f"decode_seq_length {self.max_model_len} (block 0 is reserved)")
         if self.prefill_buckets[-1] > self.max_model_len:
             raise ValueError("model_config.seq_length exceeds pa_config.decode_seq_length")
         if self.schedule_policy not in ("fcfs", "sjf", "priority"):
@@ -103,10 +111,12 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.decode_batch_waiting_time = float(sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0.0)))
     for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir"):
         setattr(c, key, sc.get(key, getattr(c, key)))
-    for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens"):
+    for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "max_agent_restarts",
+                "max_body_bytes"):
         setattr(c, key, int(sc.get(key, getattr(c, key))))
+    for key in ("step_timeout_s", "heartbeat_s", "recovery_deadline_s"):
+        setattr(c, key, float(sc.get(key, getattr(c, key))))
     c.agent_ports = [int(p) for p in sc.get("agent_ports", c.agent_ports)]
-    c.step_timeout_s = float(sc.get("step_timeout_s", c.step_timeout_s))
     c.warmup = bool(sc.get("warmup", c.warmup))
     c.agent_cores = [list(map(int, x)) for x in sc.get("agent_cores", [])]
     c.num_blocks = int(pa.get("num_blocks", c.num_blocks))

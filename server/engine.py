@@ -1,99 +1,52 @@
-"""Engine thread: schedulers + agent dispatch, off the HTTP event loop.
+"""Engine thread: agent lanes, their schedulers and supervision, off the HTTP event loop.
 
 Every request ends exactly once: finished (stop/length), failed with a reason, or cancelled. A step
-error fails only that step's requests; a dead or stuck agent's requests move to a live agent
-(recomputed from their tokens so far) or fail when none is left.
+error fails only that step's requests; a dead or stuck agent is killed and restarted (with backoff,
+up to `max_agent_restarts` in a row) and its requests are recomputed from their tokens so far, on a
+live agent or on the restarted one; a request that waits past `recovery_deadline_s` fails.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import Any, Callable
 
 from server.config import ServingConfig
 from server.detok import IncrementalDetokenizer
+from server.lane import AgentLane, LaneState
 from server.metrics import Metrics
-from server.sampling_params import SamplingParams
-from server.scheduler import Planned, Scheduler, Sequence
-from server.step_writer import RowInput, write_step
+from server.output import OutputProcessor
+from server.request import Delta, Request, Sink, Status
+from server.scheduler import Sequence
 from server.tokenizer import TextTokenizer
 from shm.transport import AgentClient, AgentDead, AgentError
 
+__all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
 log = logging.getLogger("llm_serving.engine")
-IDLE_WAIT_S = 0.2
+IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this long per turn
+
+Restart = Callable[[int], AgentClient]  # start (or wait for) agent i again and attach to it
 
 
 class QueueFull(RuntimeError):
     """Backpressure: the waiting queue is at its bound (HTTP 503 + Retry-After)."""
 
 
-@dataclass
-class Delta:
-    """One event for a request: a token (with its text), and/or the end."""
-    token_id: int | None
-    text: str
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | cancelled | error
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Sink:
-    """Where a request's events go: an asyncio queue owned by `loop` (the HTTP side)."""
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue, delta in batch:
-        queue.put_nowait(delta)
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    sink: Sink
-    arrival: float = field(default_factory=time.monotonic)
-    seq: Sequence | None = None
-    detok: IncrementalDetokenizer | None = None
-    first_token_at: float | None = None
-    agent: int = -1
-    trace: list[tuple[str, float]] = field(default_factory=list)
-    done: bool = False
-
-
-@dataclass
-class AgentSlot:
-    index: int
-    client: AgentClient
-    sched: Scheduler
-    alive: bool = True
-    inflight: list[Planned] | None = None
-    step_started: float = 0.0
-    pending_free: list[int] = field(default_factory=list)
-
-
 class Engine:
     def __init__(self, cfg: ServingConfig, tokenizer: TextTokenizer, clients: list[AgentClient],
-                 metrics: Metrics | None = None):
-        self.cfg, self.tok = cfg, tokenizer
+                 metrics: Metrics | None = None, restart: Restart | None = None):
+        self.cfg, self.tok, self.restart = cfg, tokenizer, restart
         self.metrics = metrics or Metrics()
-        self.agents = [AgentSlot(i, c, Scheduler(cfg)) for i, c in enumerate(clients)]
-        self.eos = set(tokenizer.eos_token_ids) | set(cfg.end_token)
+        self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
+        eos = set(tokenizer.eos_token_ids) | set(cfg.end_token)
         for c in clients:
-            self.eos |= set(c.info.get("eos_token_ids", []))
+            eos |= set(c.info.get("eos_token_ids", []))
+        self.out = OutputProcessor(tokenizer, eos, cfg.max_model_len, self.metrics)
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._waiting = 0  # submitted, not yet admitted (for backpressure); guarded by _lock
+        self._queued = 0  # submitted, not yet scheduled (for backpressure); guarded by _lock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -101,7 +54,6 @@ class Engine:
         self.step_count = 0
         self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
-        self._outbox: list[tuple[Sink, Delta]] = []  # flushed once per loop turn, not per token
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -109,10 +61,10 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         with self._lock:
-            if self._waiting >= self.cfg.max_queue:
+            if self._queued >= self.cfg.max_queue:
                 self.metrics.rejected.inc()
-                raise QueueFull(f"{self._waiting} requests waiting (max_queue={self.cfg.max_queue})")
-            self._waiting += 1
+                raise QueueFull(f"{self._queued} requests waiting (max_queue={self.cfg.max_queue})")
+            self._queued += 1
         self.inbox.put(("add", req))
 
     def abort(self, request_id: str) -> None:
@@ -122,48 +74,55 @@ class Engine:
         self._stop.set()
         self.inbox.put(("wake", None))
         self.thread.join(timeout=10)
-        for a in self.agents:
-            a.client.close(send_exit=True)
+        for lane in self.lanes:
+            lane.client.close(send_exit=True)
 
-    def health(self) -> tuple[bool, str]:
+    def health(self) -> tuple[str, str]:
+        """("ok" | "recovering" | "unhealthy", reason)."""
         if self.fatal:
-            return False, self.fatal
+            return "unhealthy", self.fatal
         if not self.thread.is_alive():
-            return False, "engine thread stopped"
+            return "unhealthy", "engine thread stopped"
         now = time.monotonic()
-        for a in self.agents:
-            if not a.alive:
-                return False, f"agent {a.index} is dead"
-            if a.inflight is not None and now - a.step_started > self.cfg.step_timeout_s:
-                return False, f"agent {a.index} step stuck for {now - a.step_started:.0f}s"
-        return True, "ok"
+        for lane in self.lanes:
+            if lane.state is LaneState.FAILED:
+                return "unhealthy", f"agent {lane.index} is dead ({lane.why}); not restarted"
+            if lane.state is LaneState.RECOVERING:
+                return "recovering", f"agent {lane.index} restarting for {now - lane.down_since:.0f}s ({lane.why})"
+            if lane.stuck(now):
+                return "unhealthy", f"agent {lane.index} step stuck for {now - lane.sent_at:.0f}s"
+        return "ok", "ok"
 
     def stats(self) -> dict[str, Any]:
-        running = sum(len(a.sched.running) for a in self.agents)
-        waiting = sum(len(a.sched.waiting) for a in self.agents) + self.inbox.qsize()
-        return {"running": running, "waiting": waiting, "agents_alive": sum(a.alive for a in self.agents),
-                "kv_usage": [round(a.sched.blocks.usage(), 4) for a in self.agents], "steps": self.step_count,
+        running = sum(len(lane.sched.running) for lane in self.lanes)
+        waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()
+        return {"running": running, "waiting": waiting, "agents_alive": sum(lane.live for lane in self.lanes),
+                "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.step_count,
                 "step_wall_s": self.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox(block=not any(a.inflight or a.sched.load for a in self.agents))
-                for a in self.agents:
-                    if a.alive and a.inflight is None:
-                        self._launch(a)
-                busy = [a for a in self.agents if a.inflight is not None]
-                for a in busy:
-                    self._poll(a, 0.005 if len(busy) > 1 else 0.05)
-                self._flush()
+                # Sleep on the inbox whenever nothing is in flight: no busy-spin, even with work
+                # that cannot run (all agents recovering).
+                self._drain_inbox(block=not any(lane.busy for lane in self.lanes))
+                now = time.monotonic()
+                for lane in self.lanes:
+                    if lane.live and not lane.busy:
+                        self._launch(lane, now)
+                busy = [lane for lane in self.lanes if lane.busy]
+                for lane in busy:
+                    self._poll(lane, 0.005 if len(busy) > 1 else 0.05)
+                self._expire_recovering(time.monotonic())
+                self.out.flush()
                 self._update_gauges()
         except Exception as exc:  # a bug: fail everything rather than leave requests hanging
             log.exception("engine loop crashed")
             self.fatal = f"engine crashed: {exc}"
             for req in list(self.requests.values()):
                 self._end(req, "error", self.fatal)
-            self._flush()
+            self.out.flush()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -178,189 +137,203 @@ class Engine:
                 req = self.requests.get(payload)
                 if req is not None:
                     self._cancel(req)
+            elif kind == "agent_back":
+                self._agent_back(*payload)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
     def _add(self, req: Request) -> None:
-        live = [a for a in self.agents if a.alive]
-        if not live:
-            self._unqueue()
-            self._emit(req, Delta(None, "", finish_reason="error", error="no live agent"))
-            return
         req.detok = IncrementalDetokenizer(self.tok, req.params.stop)
         req.seq = Sequence(req.prompt, req.params, req.arrival, request=req)
         self.requests[req.request_id] = req
+        lanes = self._open_lanes()
+        if not lanes:
+            self._end(req, "error", "no live agent")
+            return
+        if not lanes[0].sched.fits(req.seq):  # the API caps lengths; this guards the liveness invariant
+            self._end(req, "error", "request does not fit the KV cache")
+            return
         self.metrics.prompt_tokens.inc(len(req.prompt))
-        self._assign(req, live)
+        self._assign(req, lanes)
 
-    def _assign(self, req: Request, live: list[AgentSlot]) -> None:
-        target = min(live, key=lambda a: a.sched.load)
-        req.agent = target.index
+    def _open_lanes(self) -> list[AgentLane]:
+        """Lanes that take requests: live ones, else those whose agent is coming back."""
+        live = [lane for lane in self.lanes if lane.live]
+        return live or [lane for lane in self.lanes if lane.state is LaneState.RECOVERING]
+
+    def _assign(self, req: Request, lanes: list[AgentLane]) -> None:
+        target = min(lanes, key=lambda lane: lane.sched.load)
+        req.lane = target.index
         target.sched.add(req.seq)
 
-    def _unqueue(self) -> None:
-        with self._lock:
-            self._waiting -= 1
-
-    def _launch(self, a: AgentSlot) -> None:
-        preempted = a.sched.preempted
-        plan = a.sched.schedule()
-        if a.sched.preempted > preempted:
-            self.metrics.preemptions.inc(a.sched.preempted - preempted)
-        if not plan:
-            return
-        now = time.monotonic()
-        for p in plan:
-            if not p.seq.request.trace:  # first admission: leaves the bounded waiting queue
-                self._unqueue()
-                p.seq.request.trace.append(("scheduled", now))
-        rows = [RowInput(p.seq.seq_id, np.asarray(p.seq.tokens[p.seq.computed:p.seq.computed + p.n_tokens], np.int32),
-                         p.seq.computed, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), len(p.seq.output))
-                for p in plan]
-        has_prefill = any(p.n_tokens > 1 or p.seq.computed < len(p.seq.prompt) for p in plan)
+    def _launch(self, lane: AgentLane, now: float) -> None:
+        preempted = lane.sched.preempted
+        plan = lane.sched.schedule()
+        if lane.sched.preempted > preempted:
+            self.metrics.preemptions.inc(lane.sched.preempted - preempted)
         try:
-            dims = write_step(a.client.arena, rows, self.cfg.block_size)
-            a.client.send_step(*dims, free=a.pending_free, has_prefill=has_prefill)
-        except AgentDead:
-            a.inflight = plan
-            self._agent_died(a, "agent died")
-            return
-        a.pending_free = []
-        a.inflight = plan
-        a.step_started = time.monotonic()
-
-    def _poll(self, a: AgentSlot, timeout_s: float) -> None:
-        plan = a.inflight
-        try:
-            body = a.client.poll_step(timeout_s)
-        except AgentDead:
-            self._agent_died(a, "agent died")
-            return
-        except AgentError as exc:  # the agent is fine; this step's requests fail with its reason
-            a.inflight = None
-            a.sched.step_done(plan)
+            if not plan:
+                lane.ping_if_due(now)
+                return
             for p in plan:
+                req = p.seq.request
+                if req.status is Status.QUEUED:  # first scheduled: leaves the bounded waiting queue
+                    self._unqueue()
+                    req.status = Status.RUNNING
+                    req.trace.append(("scheduled", now))
+            lane.send_plan(plan)
+        except AgentDead:
+            self._lane_down(lane, "agent died")
+
+    def _poll(self, lane: AgentLane, timeout_s: float) -> None:
+        plan = lane.inflight
+        try:
+            body = lane.poll(timeout_s)
+        except AgentDead:
+            self._lane_down(lane, "agent died")
+            return
+        except AgentError as exc:  # this step's requests fail with its reason; the others go on
+            lane.inflight = None
+            for p in plan or []:
                 self._end(p.seq.request, "error", f"step failed: {exc}")
+            if exc.fatal:
+                self._lane_down(lane, f"agent runtime failed: {exc}")
             return
         now = time.monotonic()
         if body is None:
-            if now - a.step_started > self.cfg.step_timeout_s:
-                self._agent_died(a, f"step timed out after {self.cfg.step_timeout_s:.0f}s")
+            if lane.stuck(now):
+                self._lane_down(lane, f"no reply for {self.cfg.step_timeout_s:.0f}s (stuck)")
             return
-        a.inflight = None
+        lane.inflight, lane.restarts = None, 0
+        self._step_done(lane, plan, body, now)
+
+    def _step_done(self, lane: AgentLane, plan: list, body: dict, now: float) -> None:
         kind = "prefill" if any(p.n_tokens > 1 for p in plan) else "decode"
-        self.metrics.step_time.labels(kind).observe(now - a.step_started)
+        self.metrics.step_time.labels(kind).observe(now - lane.sent_at)
         self.step_count += 1
-        self.step_wall_s += now - a.step_started
-        self._record_step(a, plan, kind, now, body)
-        a.sched.step_done(plan)
-        f = a.client.arena.fields
+        self.step_wall_s += now - lane.sent_at
+        self.steps.append({"agent": lane.index, "kind": kind, "start": lane.sent_at, "end": now, "rows": len(plan),
+                           "tokens": sum(p.n_tokens for p in plan), "model_s": body.get("model_s", 0.0)})
+        del self.steps[:-2000]
+        lane.sched.step_done(plan)
+        f = lane.client.arena.fields
         for i, p in enumerate(plan):
             req = p.seq.request
             if p.seq.aborted:
                 self._end(req, "cancelled")
             elif p.sample:
+                token = int(f["out_ids"][i])
+                if token < 0:  # this row's sampling failed on the agent; its neighbours went on
+                    self._end(req, "error", "sampling failed: the model's probabilities were not finite")
+                    continue
                 n_top = p.seq.params.logprobs
                 top = list(zip(f["out_top_ids"][i, :n_top].tolist(), f["out_top_logprobs"][i, :n_top].tolist()))
-                self._on_token(req, int(f["out_ids"][i]), float(f["out_logprobs"][i]), top, now)
-
-    def _record_step(self, a: AgentSlot, plan: list[Planned], kind: str, now: float, body: dict) -> None:
-        self.steps.append({"agent": a.index, "kind": kind, "start": a.step_started, "end": now,
-                           "rows": len(plan), "tokens": sum(p.n_tokens for p in plan),
-                           "model_s": body.get("model_s", 0.0)})
-        del self.steps[:-2000]
-
-    def _on_token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]], now: float) -> None:
-        seq, p = req.seq, req.params
-        seq.output.append(token)
-        self.metrics.generation_tokens.inc()
-        if req.first_token_at is None:
-            req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrival)
-        reason = None
-        is_eos = token in self.eos and not p.ignore_eos
-        text = "" if is_eos else req.detok.add(token)
-        if is_eos or token in p.stop_token_ids or req.detok.stop_hit():
-            reason = "stop"
-        elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.cfg.max_model_len:
-            reason = "length"
-        if reason:
-            text += req.detok.finish()
-        self._emit(req, Delta(token, text, logprob, top))
-        if reason:
-            self._end(req, reason)
-
-    def _emit(self, req: Request, delta: Delta) -> None:
-        self._outbox.append((req.sink, delta))
-
-    def _flush(self) -> None:
-        """One thread-safe wake-up per event loop for everything this turn produced."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
-        for sink, delta in self._outbox:
-            by_loop.setdefault(sink.loop, []).append((sink.queue, delta))
-        self._outbox = []
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that event loop is closed: nobody is listening any more
-                pass
+                reason = self.out.token(req, token, float(f["out_logprobs"][i]), top, now)
+                if reason:
+                    self._end(req, reason)
 
     def _cancel(self, req: Request) -> None:
-        a = self.agents[req.agent]
-        if a.inflight is not None and any(p.seq is req.seq for p in a.inflight):
+        lane = self.lanes[req.lane]
+        if lane.inflight is not None and any(p.seq is req.seq for p in lane.inflight):
             req.seq.aborted = True  # ends when its step returns
         else:
             self._end(req, "cancelled")
 
-    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
-        if req.done:
-            return
-        req.done = True
-        if not req.trace:  # never admitted: it still counted as waiting
-            self._unqueue()
-        a = self.agents[req.agent]
-        if req.seq is not None:
-            a.sched.remove(req.seq)
-            if a.alive:
-                a.pending_free.append(req.seq.seq_id)
-        self.requests.pop(req.request_id, None)
-        now = time.monotonic()
-        req.trace.append(("finished", now))
-        self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(now - req.arrival)
-        n_out = len(req.seq.output) if req.seq else 0
-        if req.first_token_at is not None and n_out > 1:
-            self.metrics.tpot.observe((now - req.first_token_at) / (n_out - 1))
-        self._emit(req, Delta(None, "", finish_reason=reason, error=error))
+    def _unqueue(self) -> None:
+        with self._lock:
+            self._queued -= 1
 
-    def _agent_died(self, a: AgentSlot, why: str) -> None:
-        log.error("agent %d: %s", a.index, why)
-        a.alive = False
-        plan, a.inflight = a.inflight or [], None
+    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.status is Status.DONE:
+            return
+        if req.status is Status.QUEUED:
+            self._unqueue()
+        req.status = Status.DONE
+        if req.lane >= 0:
+            lane = self.lanes[req.lane]
+            lane.sched.remove(req.seq)
+            if lane.live:
+                lane.pending_free.append(req.seq.seq_id)
+        self.requests.pop(req.request_id, None)
+        self.out.finish(req, reason, error)
+
+    # ------------------------------------------------------------ supervision
+    def _lane_down(self, lane: AgentLane, why: str) -> None:
+        log.error("agent %d: %s", lane.index, why)
+        plan, seqs = lane.go_down(why, time.monotonic())
         for p in plan:
             if p.seq.aborted:
                 self._end(p.seq.request, "cancelled")
-        seqs = a.sched.drain()
-        a.client.close(send_exit=False)
-        live = [x for x in self.agents if x.alive]
-        for seq in seqs:
+        recover = self.restart is not None and lane.restarts < self.cfg.max_agent_restarts
+        if not recover:
+            lane.state = LaneState.FAILED
+        open_lanes = self._open_lanes()
+        for seq in seqs:  # recompute from prompt + tokens so far: elsewhere, or here once the agent is back
             req = seq.request
-            if req.done:
+            if req.status is Status.DONE:
                 continue
-            if live:  # recompute elsewhere from prompt + tokens generated so far
-                self._assign(req, live)
+            if open_lanes:
+                self._assign(req, open_lanes)
             else:
-                self._end(req, "error", f"agent {a.index} failed ({why}) and no live agent is left")
+                self._end(req, "error", f"agent {lane.index} failed ({why}) and no live agent is left")
+        if recover:
+            self._start_restart(lane)
+
+    def _start_restart(self, lane: AgentLane) -> None:
+        delay = 0.0 if lane.restarts == 0 else min(30.0, 2.0 ** (lane.restarts - 1))
+        lane.restarts += 1
+        log.warning("agent %d: restart %d/%d in %.0fs", lane.index, lane.restarts, self.cfg.max_agent_restarts, delay)
+
+        def work() -> None:
+            if self._stop.wait(delay):
+                return
+            try:
+                client, error = self.restart(lane.index), None
+            except Exception as exc:  # reported to the engine thread, which retries or gives up
+                client, error = None, f"{type(exc).__name__}: {exc}"
+            self.inbox.put(("agent_back", (lane.index, client, error)))
+
+        threading.Thread(target=work, name=f"restart-agent{lane.index}", daemon=True).start()
+
+    def _agent_back(self, index: int, client: AgentClient | None, error: str | None) -> None:
+        lane = self.lanes[index]
+        if client is not None:
+            if self._stop.is_set():
+                client.close(send_exit=True)
+                return
+            log.warning("agent %d is back after %.1fs", index, time.monotonic() - lane.down_since)
+            self.metrics.agent_restarts.inc()
+            lane.attach(client)
+            return
+        log.error("agent %d: restart failed: %s", index, error)
+        lane.why = f"restart failed: {error}"
+        if lane.restarts < self.cfg.max_agent_restarts:
+            self._start_restart(lane)
+            return
+        lane.state = LaneState.FAILED
+        for seq in lane.sched.drain():
+            self._end(seq.request, "error", f"agent {index} could not be restarted: {error}")
+
+    def _expire_recovering(self, now: float) -> None:
+        """Requests that have waited past the deadline for a recovering agent fail instead of hanging."""
+        for lane in self.lanes:
+            if lane.state is not LaneState.RECOVERING:
+                continue
+            for seq in list(lane.sched.waiting):
+                req = seq.request
+                if now - max(req.arrival, lane.down_since) > self.cfg.recovery_deadline_s:
+                    self._end(req, "error", f"agent {lane.index} still recovering after "
+                                            f"{self.cfg.recovery_deadline_s:.0f}s ({lane.why})")
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.running.set(sum(len(a.sched.running) for a in self.agents))
-        m.waiting.set(sum(len(a.sched.waiting) for a in self.agents))
-        m.agents_alive.set(sum(a.alive for a in self.agents))
-        for a in self.agents:
-            m.kv_usage.labels(str(a.index)).set(a.sched.blocks.usage())
+        m.running.set(sum(len(lane.sched.running) for lane in self.lanes))
+        m.waiting.set(sum(len(lane.sched.waiting) for lane in self.lanes))
+        m.agents_alive.set(sum(lane.live for lane in self.lanes))
+        for lane in self.lanes:
+            m.kv_usage.labels(str(lane.index)).set(lane.sched.blocks.usage())
 
     def chrome_trace(self) -> dict[str, Any]:
         """Recent steps as a Chrome trace (chrome://tracing, Perfetto)."""

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from server.config import load_config
 from server.engine import Engine
@@ -18,19 +19,45 @@ from shm.transport import AgentClient, agent_address
 log = logging.getLogger("llm_serving")
 
 
-def connect_agents(cfg: Any) -> list[AgentClient]:
-    spec = ArenaSpec(cfg.token_budget + cfg.decode_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq)
-    clients = []
+def arena_spec(cfg: Any) -> ArenaSpec:
+    return ArenaSpec(cfg.token_budget + cfg.decode_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq)
+
+
+def connect_agent(cfg: Any, index: int, tag: str, timeout_s: float = 600.0) -> AgentClient:
+    client = AgentClient(agent_address(cfg.agent_ports[index], cfg.agent_ip), arena_spec(cfg), tag=tag)
     try:
-        for i, port in enumerate(cfg.agent_ports):
-            c = AgentClient(agent_address(port, cfg.agent_ip), spec, tag=f"agent{i}")
-            clients.append(c)
-            c.handshake()
+        client.handshake(timeout_s)
+    except BaseException:
+        client.close(send_exit=False)
+        raise
+    return client
+
+
+def connect_agents(cfg: Any) -> list[AgentClient]:
+    clients: list[AgentClient] = []
+    try:
+        for i in range(len(cfg.agent_ports)):
+            clients.append(connect_agent(cfg, i, f"agent{i}"))
     except BaseException:
         for c in clients:
             c.close(send_exit=False)
         raise
     return clients
+
+
+def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any], procs: list) -> Callable[[int], AgentClient]:
+    """How the engine brings agent i back: respawn it when we started it, else wait for its
+    launcher (launch_agents restarts it) until the recovery deadline; then attach again."""
+    from agent.launch import respawn_agent
+
+    generation = itertools.count(1)
+
+    def restart(index: int) -> AgentClient:
+        if procs:
+            respawn_agent(cfg, config_path, overrides, procs, index)
+        return connect_agent(cfg, index, f"agent{index}r{next(generation)}", timeout_s=cfg.recovery_deadline_s)
+
+    return restart
 
 
 def _demo(url: str, model: str) -> None:
@@ -74,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_agents(procs)
         return 1
     tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
-    engine = Engine(cfg, tok, clients)
+    engine = Engine(cfg, tok, clients, restart=restarter(cfg, args.config, overrides, procs))
     engine.start()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg, tok), host=cfg.server_ip, port=cfg.server_port,
                                            log_level="warning", timeout_graceful_shutdown=5))

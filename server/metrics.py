@@ -23,4 +23,6 @@ class Metrics:
         self.prompt_tokens = Counter("llm_serving_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("llm_serving_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("llm_serving_preemptions", "Sequences preempted", registry=r)
+        self.agent_restarts = Counter("llm_serving_agent_restarts", "Agents restarted after a crash or a stuck step",
+                                      registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)

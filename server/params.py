@@ -38,7 +38,7 @@ def _num(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
         raise InvalidRequest(f"{key} must be a number")
     try:
         out = kind(v)  # numbers may arrive as strings from the original clients
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InvalidRequest(f"{key} must be {'an integer' if kind is int else 'a number'}") from None
     if kind is int and isinstance(v, float) and v != out:
         raise InvalidRequest(f"{key} must be an integer")
@@ -55,7 +55,20 @@ def _stop_list(v: Any) -> list[str]:
     raise InvalidRequest("stop must be a string or a list of strings")
 
 
-def tgi_params(p: Any, default_max: int) -> tuple[SamplingParams, dict[str, Any]]:
+def _int_list(v: Any, name: str) -> list[int]:
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise InvalidRequest(f"{name} must be a list of integers")
+    return v
+
+
+def _top_k(d: dict[str, Any]) -> int:
+    k = _num(d, "top_k", int, 0)
+    return 0 if k == -1 else k  # vLLM's "off"
+
+
+def tgi_params(p: Any) -> tuple[SamplingParams, dict[str, Any]]:
     """`parameters` of the original llm-serving and TGI APIs. Returns params and output options."""
     if p is None:
         p = {}
@@ -64,9 +77,9 @@ def tgi_params(p: Any, default_max: int) -> tuple[SamplingParams, dict[str, Any]
     do_sample = to_bool(p.get("do_sample", False), "do_sample")
     temperature = _num(p, "temperature", float, 1.0)
     sp = SamplingParams(
-        max_new_tokens=_num(p, "max_new_tokens", int, default_max),
+        max_new_tokens=_num(p, "max_new_tokens", int, None),
         temperature=temperature if do_sample else 0.0,
-        top_k=_num(p, "top_k", int, 0) if do_sample else 0,
+        top_k=_top_k(p) if do_sample else 0,
         top_p=_num(p, "top_p", float, 1.0) if do_sample else 1.0,
         min_p=_num(p, "min_p", float, 0.0) if do_sample else 0.0,
         repetition_penalty=_num(p, "repetition_penalty", float, 1.0),
@@ -81,7 +94,7 @@ def tgi_params(p: Any, default_max: int) -> tuple[SamplingParams, dict[str, Any]
     return sp, opts
 
 
-def openai_params(b: dict[str, Any], default_max: int, chat: bool) -> SamplingParams:
+def openai_params(b: dict[str, Any], chat: bool) -> SamplingParams:
     if _num(b, "n", int, 1) != 1:
         raise InvalidRequest("only n=1 is supported")
     if b.get("best_of") not in (None, 1):
@@ -95,13 +108,13 @@ def openai_params(b: dict[str, Any], default_max: int, chat: bool) -> SamplingPa
         logprobs = _num(b, "logprobs", int, 0)
     max_tokens = b.get("max_completion_tokens", b.get("max_tokens"))
     return SamplingParams(
-        max_new_tokens=_num({"m": max_tokens}, "m", int, default_max),
-        temperature=_num(b, "temperature", float, 1.0), top_k=max(0, _num(b, "top_k", int, 0)),
+        max_new_tokens=_num({"max_tokens": max_tokens}, "max_tokens", int, None),
+        temperature=_num(b, "temperature", float, 1.0), top_k=_top_k(b),
         top_p=_num(b, "top_p", float, 1.0), min_p=_num(b, "min_p", float, 0.0),
         repetition_penalty=_num(b, "repetition_penalty", float, 1.0),
         presence_penalty=_num(b, "presence_penalty", float, 0.0),
         frequency_penalty=_num(b, "frequency_penalty", float, 0.0),
         seed=_num(b, "seed", int, None), stop=_stop_list(b.get("stop")),
-        stop_token_ids=[int(x) for x in b.get("stop_token_ids") or []],
+        stop_token_ids=_int_list(b.get("stop_token_ids"), "stop_token_ids"),
         ignore_eos=to_bool(b.get("ignore_eos", False), "ignore_eos"), logprobs=logprobs or 0,
         priority=_num(b, "priority", int, 0)).validate()

@@ -1,9 +1,15 @@
 """Per-request generation parameters, validated once at the API edge."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shm.arena import MAX_TOP_LOGPROBS
+
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4e38
+MAX_STOP_CHARS = 1024
 
 
 class InvalidRequest(ValueError):
@@ -12,7 +18,7 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = 256  # None: as many as fit the context, up to the server's default
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
     top_p: float = 1.0
@@ -28,10 +34,17 @@ class SamplingParams:
     priority: int = 0
 
     def validate(self) -> "SamplingParams":
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty}
+        for name, value in floats.items():  # they travel as float32: inf, nan and 1e39 are refused here
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise InvalidRequest(f"{name} must be a finite number")
         checks = [
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.max_new_tokens is None or 1 <= self.max_new_tokens <= INT32_MAX,
+             f"max_new_tokens must be in [1, {INT32_MAX}]"),
             (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.top_k <= INT32_MAX, f"top_k must be in [0, {INT32_MAX}] (or -1 for off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
@@ -39,8 +52,11 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer"),
-            (len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
-             "stop must be at most 16 non-empty strings"),
+            (-INT32_MAX <= self.priority <= INT32_MAX, f"priority must be in [-{INT32_MAX}, {INT32_MAX}]"),
+            (len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"stop must be at most 16 non-empty strings of at most {MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= 64 and all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
+             "stop_token_ids must be at most 64 non-negative token ids"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -2,7 +2,9 @@
 
 Each step: decodes first, then running chunked prefills, then new prompts, within a token budget
 (Dynamic SplitFuse: long prompts are split into chunks, short ones fused into one step). When KV
-blocks run out, the most recently admitted sequence is preempted and later recomputed.
+blocks run out for a decode or a chunk, the most recently admitted sequence is preempted and later
+recomputed. Liveness: every sequence fits the pool alone (`fits`, checked at admission), so the
+oldest running one always progresses and a plan is empty only when nothing is left to run.
 """
 from __future__ import annotations
 
@@ -95,33 +97,45 @@ class Scheduler:
         self.preempted += 1
         self.waiting.insert(0, seq)
 
+    def fits(self, seq: Sequence) -> bool:
+        """Whether the sequence at its longest (prompt + max_new_tokens) fits the pool alone: what
+        guarantees that preempting everything newer always lets the oldest sequence finish."""
+        longest = min(len(seq.prompt) + seq.params.max_new_tokens, self.cfg.max_model_len)
+        return self.blocks.blocks_needed([], longest) <= self.blocks.num_blocks - 1
+
+    def _reserve(self, seq: Sequence, length: int, plan: list[Planned]) -> bool:
+        """Grow `seq` to `length` tokens, preempting the newest running sequences until it fits;
+        False if `seq` itself was the newest and got preempted. The oldest running sequence never
+        waits on a younger one, so every admitted sequence finishes (nothing stalls with an empty plan)."""
+        while not self.blocks.grow(seq.table, length):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan[:] = [p for p in plan if p.seq is not victim]
+            if victim is seq:
+                return False
+        return True
+
     def schedule(self) -> list[Planned]:
         plan: list[Planned] = []
         budget = self.cfg.token_budget
-        prefill_rows = 0
-        for seq in list(self.running):  # 1. decodes, oldest first; preempt the newest on shortage
-            if seq not in self.running or seq.remaining != 1:
-                continue
-            while not self.blocks.grow(seq.table, seq.computed + 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                plan = [p for p in plan if p.seq is not victim]
-                if victim is seq:
-                    break
-            if seq in self.running:
+        for seq in list(self.running):  # 1. decodes, oldest first
+            if seq in self.running and seq.remaining == 1 and self._reserve(seq, seq.computed + 1, plan):
                 plan.append(Planned(seq, 1, True))
                 budget -= 1
-        for seq in self.running:  # 2. chunks of prompts already started
-            if seq.remaining > 1 and budget > 0 and prefill_rows < self.cfg.max_prefill_rows:
-                n = min(seq.remaining, budget, self.max_chunk)
-                if not self.blocks.grow(seq.table, seq.computed + n):
-                    break
+        prefill_rows = 0
+        for seq in list(self.running):  # 2. chunks of prompts already started, oldest first
+            if budget <= 0 or prefill_rows >= self.cfg.max_prefill_rows:
+                break
+            if seq not in self.running or seq.remaining <= 1:
+                continue
+            n = min(seq.remaining, budget, self.max_chunk)
+            if self._reserve(seq, seq.computed + n, plan):
                 plan.append(Planned(seq, n, n == seq.remaining))
                 budget -= n
                 prefill_rows += 1
         self.waiting.sort(key=self._order_key)
         while (self.waiting and budget > 0 and prefill_rows < self.cfg.max_prefill_rows
-               and len(self.running) < self.max_running):  # 3. admit new prompts
+               and len(self.running) < self.max_running):  # 3. admit new prompts while blocks last
             seq = self.waiting[0]
             if not seq.table:
                 seq.table = self.blocks.match_prefix(seq.tokens)

@@ -30,7 +30,9 @@ class TextTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not): a 5 MB prompt tokenised in a worker thread
+        # no longer stalls the HTTP event loop for seconds.
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -7,6 +7,7 @@ within a poll interval (its pid for local agents, the socket's disconnect event 
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from typing import Any
@@ -21,7 +22,12 @@ POLL_MS = 100
 
 
 class AgentError(RuntimeError):
-    """The agent answered a command with an error."""
+    """The agent answered a command with an error. `fatal`: the agent's runtime is no longer usable
+    (it exits after this reply and must be restarted)."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
 
 
 class AgentDead(RuntimeError):
@@ -71,6 +77,7 @@ class AgentClient:
         self._pending_shape: tuple[int, int, int] = (0, 0, 0)
         self._connected = False
         self.dead = False
+        self.closed = False
 
     # ------------------------------------------------------------ liveness
     def _check_alive(self) -> None:
@@ -106,7 +113,7 @@ class AgentClient:
                     continue  # a late reply to a command we gave up on
                 self._pending = None
                 if not ok:
-                    raise AgentError(body.get("error", "agent failed"))
+                    raise AgentError(str(body.get("error", "agent failed")), bool(body.get("fatal", False)))
                 return body, frames
             if time.monotonic() >= deadline:
                 return None
@@ -143,7 +150,21 @@ class AgentClient:
             self.arena.load_frames(OUTPUT_FIELDS, frames, 0, self._pending_shape[1], 0)
         return body
 
+    def send_heartbeat(self) -> None:
+        self.send(P.HEARTBEAT)
+
+    def kill(self) -> None:
+        """SIGKILL a local agent that is stuck (a stopped or hung process answers nothing else)."""
+        if self.local and self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def close(self, send_exit: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if send_exit and not self.dead:
             try:
                 self._pending = None

@@ -24,7 +24,7 @@ def free_port() -> int:
 def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -> Path:
     """A serving YAML for the tiny test model; `serving`/`pa_*` keys override defaults."""
     pa = {"num_blocks": serving.pop("num_blocks", 128), "block_size": serving.pop("block_size", 4),
-          "decode_seq_length": 128}
+          "decode_seq_length": serving.pop("decode_seq_length", 128)}
     doc = {
         "model_config": {"model_name": "tiny", "model_path": str(model_dir), "max_generate_length": 24,
                          "seq_length": [16, 32], "decode_batch_size": [1, 4, 8], "prefill_batch_size": [2],
@@ -41,13 +41,14 @@ def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -
 class ServerProcess:
     """`llm-serving --config X` as a real child process (it spawns its agents)."""
 
-    def __init__(self, config: Path, *extra: str, timeout_s: float = 300):
+    def __init__(self, config: Path, *extra: str, timeout_s: float = 300, env: dict[str, str] | None = None):
         self.config = yaml.safe_load(config.read_text())
         self.url = f"http://127.0.0.1:{self.config['serving_config']['server_port']}"
         self.log = config.with_suffix(".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "server.main", "--config", str(config), *extra],
                                      cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while "llm-serving ready" not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:

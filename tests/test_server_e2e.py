@@ -173,8 +173,8 @@ def test_health_and_status_endpoints(server):
 
 
 def test_kv_exhaustion_preempts_and_every_request_completes(tmp_path, tiny_model_dir):
-    # 12 blocks of 4 tokens (11 usable) cannot hold 4 sequences of 8 + 24 tokens at once.
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, num_blocks=12, block_size=4))
+    # 12 blocks of 4 tokens (11 usable: one 40-token sequence) cannot hold 4 sequences of 8 + 24 tokens at once.
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, num_blocks=12, block_size=4, decode_seq_length=40))
     try:
         prompts = ["abcdefgh", "ijklmnop", "qrstuvwx", "yzabcdef"]
         single = {p: original_generate(srv.url, p, new=24)["generated_text"] for p in prompts}
@@ -194,7 +194,8 @@ def test_kv_exhaustion_preempts_and_every_request_completes(tmp_path, tiny_model
 
 
 def test_queue_bound_gives_503_with_retry_after(tmp_path, tiny_model_dir):
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, max_queue=1, num_blocks=12, block_size=4))
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, max_queue=1, num_blocks=12, block_size=4,
+                                    decode_seq_length=40))
     try:
         codes: list[int] = []
         bodies: list[httpx.Response] = []
@@ -218,7 +219,9 @@ def test_queue_bound_gives_503_with_retry_after(tmp_path, tiny_model_dir):
 
 
 def test_agent_sigkill_requests_move_to_live_agent_then_fail_cleanly(tmp_path, tiny_model_dir):
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2))
+    """With restarts off (max_agent_restarts: 0) a dead agent stays dead: its requests move to the
+    live one, and when none is left requests fail with a reason instead of hanging."""
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, max_agent_restarts=0))
     try:
         prompts = [f"prompt number {i}" for i in range(6)]
         # Long enough to be in flight at the kill now that warm-up leaves nothing to compile.

@@ -1,0 +1,50 @@
+"""A request as the engine tracks it, and the events it sends back to the HTTP side."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from server.detok import IncrementalDetokenizer
+from server.sampling_params import SamplingParams
+from server.scheduler import Sequence
+
+
+class Status(enum.Enum):
+    QUEUED = "queued"  # submitted, never scheduled: counts against max_queue
+    RUNNING = "running"  # scheduled at least once (may be waiting again after preemption or failover)
+    DONE = "done"  # finished, failed or cancelled: its last event is sent
+
+
+@dataclass
+class Delta:
+    """One event for a request: a token (with its text), and/or the end."""
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where a request's events go: an asyncio queue owned by `loop` (the HTTP side)."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.QUEUED
+    seq: Sequence | None = None
+    detok: IncrementalDetokenizer | None = None
+    first_token_at: float | None = None
+    lane: int = -1  # index of the agent lane that holds its sequence
+    trace: list[tuple[str, float]] = field(default_factory=list)
