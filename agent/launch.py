@@ -11,6 +11,7 @@ import multiprocessing as mp
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -23,20 +24,31 @@ log = logging.getLogger("llm_serving.launch")
 READY_TIMEOUT_S = 900.0  # model load + graph warm-up of one agent
 MAX_RESTARTS = 5  # launch_agents: restarts of one agent in a row (each within STABLE_S of the last)
 STABLE_S = 60.0
+STOPPED_GRACE_S = 5.0  # a starting agent stopped (SIGSTOP) this long is given up on and killed
 
 
 class AgentStartError(RuntimeError):
     pass
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether a process is stopped (SIGSTOP): alive, but it will never answer."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = None) -> dict[str, Any]:
-    """Heartbeat an agent; fails early if its process dies meanwhile."""
+    """Heartbeat an agent; fails early if its process dies or stays stopped meanwhile (a slow model
+    load is indistinguishable from a hang by time alone, so loading gets the long timeout)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
         sock.send_multipart(P.encode(P.HEARTBEAT, {"id": 1}))
         deadline = time.monotonic() + timeout_s
+        stopped_since = None
         while time.monotonic() < deadline:
             if sock.poll(200):
                 ok, body, _ = P.decode_reply(sock.recv_multipart())
@@ -44,6 +56,12 @@ def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = N
                     return body
             if proc is not None and not proc.is_alive():
                 raise AgentStartError(f"agent at {address} exited with code {proc.exitcode}")
+            if proc is not None and _stopped(proc.pid):
+                stopped_since = stopped_since or time.monotonic()
+                if time.monotonic() - stopped_since > STOPPED_GRACE_S:
+                    raise AgentStartError(f"agent at {address} (pid {proc.pid}) is stopped")
+            else:
+                stopped_since = None
         raise AgentStartError(f"agent at {address} not ready after {timeout_s:.0f}s")
     finally:
         sock.close(0)

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 from server.config import ServingConfig
 from server.detok import IncrementalDetokenizer
@@ -20,14 +20,13 @@ from server.metrics import Metrics
 from server.output import OutputProcessor
 from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
+from server.supervisor import Restart, Supervisor
 from server.tokenizer import TextTokenizer
 from shm.transport import AgentClient, AgentDead, AgentError
 
 __all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
 log = logging.getLogger("llm_serving.engine")
 IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this long per turn
-
-Restart = Callable[[int], AgentClient]  # start (or wait for) agent i again and attach to it
 
 
 class QueueFull(RuntimeError):
@@ -54,6 +53,7 @@ class Engine:
         self.step_count = 0
         self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
+        self.supervisor = Supervisor(cfg, self.lanes, restart, self.inbox, self._stop, self.metrics)
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -83,15 +83,7 @@ class Engine:
             return "unhealthy", self.fatal
         if not self.thread.is_alive():
             return "unhealthy", "engine thread stopped"
-        now = time.monotonic()
-        for lane in self.lanes:
-            if lane.state is LaneState.FAILED:
-                return "unhealthy", f"agent {lane.index} is dead ({lane.why}); not restarted"
-            if lane.state is LaneState.RECOVERING:
-                return "recovering", f"agent {lane.index} restarting for {now - lane.down_since:.0f}s ({lane.why})"
-            if lane.stuck(now):
-                return "unhealthy", f"agent {lane.index} step stuck for {now - lane.sent_at:.0f}s"
-        return "ok", "ok"
+        return self.supervisor.health(time.monotonic())
 
     def stats(self) -> dict[str, Any]:
         running = sum(len(lane.sched.running) for lane in self.lanes)
@@ -261,14 +253,10 @@ class Engine:
 
     # ------------------------------------------------------------ supervision
     def _lane_down(self, lane: AgentLane, why: str) -> None:
-        log.error("agent %d: %s", lane.index, why)
-        plan, seqs = lane.go_down(why, time.monotonic())
+        plan, seqs = self.supervisor.down(lane, why)
         for p in plan:
             if p.seq.aborted:
                 self._end(p.seq.request, "cancelled")
-        recover = self.restart is not None and lane.restarts < self.cfg.max_agent_restarts
-        if not recover:
-            lane.state = LaneState.FAILED
         open_lanes = self._open_lanes()
         for seq in seqs:  # recompute from prompt + tokens so far: elsewhere, or here once the agent is back
             req = seq.request
@@ -278,54 +266,15 @@ class Engine:
                 self._assign(req, open_lanes)
             else:
                 self._end(req, "error", f"agent {lane.index} failed ({why}) and no live agent is left")
-        if recover:
-            self._start_restart(lane)
-
-    def _start_restart(self, lane: AgentLane) -> None:
-        delay = 0.0 if lane.restarts == 0 else min(30.0, 2.0 ** (lane.restarts - 1))
-        lane.restarts += 1
-        log.warning("agent %d: restart %d/%d in %.0fs", lane.index, lane.restarts, self.cfg.max_agent_restarts, delay)
-
-        def work() -> None:
-            if self._stop.wait(delay):
-                return
-            try:
-                client, error = self.restart(lane.index), None
-            except Exception as exc:  # reported to the engine thread, which retries or gives up
-                client, error = None, f"{type(exc).__name__}: {exc}"
-            self.inbox.put(("agent_back", (lane.index, client, error)))
-
-        threading.Thread(target=work, name=f"restart-agent{lane.index}", daemon=True).start()
 
     def _agent_back(self, index: int, client: AgentClient | None, error: str | None) -> None:
-        lane = self.lanes[index]
-        if client is not None:
-            if self._stop.is_set():
-                client.close(send_exit=True)
-                return
-            log.warning("agent %d is back after %.1fs", index, time.monotonic() - lane.down_since)
-            self.metrics.agent_restarts.inc()
-            lane.attach(client)
-            return
-        log.error("agent %d: restart failed: %s", index, error)
-        lane.why = f"restart failed: {error}"
-        if lane.restarts < self.cfg.max_agent_restarts:
-            self._start_restart(lane)
-            return
-        lane.state = LaneState.FAILED
-        for seq in lane.sched.drain():
+        for seq in self.supervisor.back(index, client, error):
             self._end(seq.request, "error", f"agent {index} could not be restarted: {error}")
 
     def _expire_recovering(self, now: float) -> None:
         """Requests that have waited past the deadline for a recovering agent fail instead of hanging."""
-        for lane in self.lanes:
-            if lane.state is not LaneState.RECOVERING:
-                continue
-            for seq in list(lane.sched.waiting):
-                req = seq.request
-                if now - max(req.arrival, lane.down_since) > self.cfg.recovery_deadline_s:
-                    self._end(req, "error", f"agent {lane.index} still recovering after "
-                                            f"{self.cfg.recovery_deadline_s:.0f}s ({lane.why})")
+        for seq, why in self.supervisor.overdue(now):
+            self._end(seq.request, "error", why)
 
     def _update_gauges(self) -> None:
         m = self.metrics

@@ -1,0 +1,33 @@
+"""Agent sampler: no accepted parameter value makes NaN or inf, and a row that fails anyway fails alone."""
+from __future__ import annotations
+
+import numpy as np
+
+from agent.sampling import SamplingRows, sample
+
+
+def _rows(n: int, **cols) -> SamplingRows:
+    base = dict(temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
+                presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
+                seed=np.full(n, 7, np.int64), n_logprobs=np.zeros(n, np.int32), prompt_len=np.full(n, 2, np.int32),
+                output_len=np.zeros(n, np.int32))
+    return SamplingRows(**{k: np.asarray(cols.get(k, v), v.dtype) for k, v in base.items()})
+
+
+def test_extreme_values_sample_finite_tokens_and_a_broken_row_fails_alone():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 50)).astype(np.float32) * 4
+    logits[3, 7] = np.nan  # a row the model broke
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1)).astype(np.float32)
+    params = _rows(5, temperature=[0.0, 1.0, 1e-30, 0.8, 3e38], repetition_penalty=[1.0, 1e-40, 1.0, 1.0, 3e38],
+                   top_k=[0, 0, 0, 0, 2**31 - 1], n_logprobs=[0, 2, 0, 0, 3])
+    hist = [None, np.array([1, 2, 3]), None, None, np.array([4, 5])]
+    greedy = int(np.argmax(logits[0]))
+    res = sample(logits.copy(), lse, params, hist, rng)
+    assert res.ids[0] == greedy
+    assert res.ids[2] == int(np.nanargmax(logits[2]))  # a temperature below 1e-5 is greedy
+    assert res.ids[3] == -1  # failed alone
+    assert all(0 <= res.ids[r] < 50 for r in (0, 1, 2, 4))
+    assert np.isfinite(res.logprobs[[0, 1, 2, 4]]).all()
+    assert np.isfinite(res.top_logprobs[[1, 4]]).all()
