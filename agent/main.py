@@ -67,7 +67,7 @@ class AgentServer:
         else:
             self.arena = Arena.private(spec)
         self.server_pid = h["server_pid"]
-        return {**self.info, "pid": os.getpid()}
+        return {**self.info, "pid": os.getpid(), "graph_compiles": self.runner.graph_compiles}
 
     # ------------------------------------------------------------ commands
     def _step(self, msg: P.Message) -> tuple[dict[str, Any], list[bytes]]:
@@ -86,7 +86,7 @@ class AgentServer:
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else self.arena.output_frames(n_rows)
-        return {"model_s": model_s}, frames
+        return {"model_s": model_s, "graph_compiles": self.runner.graph_compiles}, frames
 
     def _check_ranges(self, v: dict[str, np.ndarray]) -> None:
         rc, vocab = self.runner.rc, self.runner.cfg.vocab_size
@@ -119,7 +119,8 @@ class AgentServer:
                 self.exiting = True
                 body = {}
             else:  # heartbeat
-                body = {"pid": os.getpid(), "attached": self.arena is not None}
+                body = {"pid": os.getpid(), "attached": self.arena is not None,
+                        "graph_compiles": self.runner.graph_compiles}
             return P.encode_reply(True, {**body, "id": mid}, frames)
         except RuntimeFailure as exc:
             log.error("model step failed; exiting for a restart: %s", exc)
@@ -191,14 +192,13 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     t0 = time.monotonic()
     model_cfg, weights = load_model(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.max_model_len)
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-                      decode_buckets=cfg.decode_buckets, prefill_buckets=cfg.prefill_buckets,
-                      max_prefill_rows=cfg.max_prefill_rows, context_buckets=cfg.context_buckets)
+                      token_buckets=cfg.token_buckets, max_rows=cfg.max_running)
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=compile_cache_key(model_cfg, rc))
     runner = ModelRunner(model_cfg, weights, rc, seed=index)
     del weights
     if cfg.warmup:
-        runner.warmup(rc.warmup_shapes())
+        runner.warmup()
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "max_model_len": rc.max_model_len, "num_blocks": rc.num_blocks, "block_size": rc.block_size,

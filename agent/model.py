@@ -1,8 +1,9 @@
 """Llama-family decoder in MindSpore primitives that exist on CPU, GPU and Ascend.
 
-One forward serves prefill chunks and decode. Inputs are laid out as ``P`` rows of ``Q`` query
-tokens (decode: Q == 1); each row attends over its own paged context, gathered from a flat per-layer
-KV cache by block table. New K/V rows are written with ``ops.scatter_update`` by slot, which is
+One forward serves any mix of prefill chunks and decodes as one flat list of tokens (the TND layout
+of MindSpore's Ascend paged-attention ops): row-independent ops run once over all tokens, and each
+token attends over its own sequence's paged context, read from a flat per-layer KV cache by block
+table. New K/V rows are written with ``ops.scatter_update`` by slot, which is
 O(tokens) — every other write form copies the whole cache each step.
 """
 from __future__ import annotations
@@ -114,7 +115,6 @@ class LlamaModel(nn.Cell):
         self.rotate = param("rotate_half", rot)
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
-        self.fused_decode = kv <= 16  # measured: still 1.3x faster at kv 12 (MHA); the extra GEMM work grows with kv
         # Native CPU kernels (agent/kernels), when built: the projections on oneDNN's sgemm (one
         # weight layout serves every batch size), paged attention reading the cache by slot (no
         # gathered K/V copy, mask or permutes), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
@@ -196,95 +196,58 @@ class LlamaModel(nn.Cell):
         gate, up = ops.split(gu, self.cfg.intermediate_size, 1)
         return ops.silu(gate) * up
 
-    def _attention(self, q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor, q_len: int) -> Tensor:
-        """General (prefill) attention. q [P*Q, H, hd]; keys/vals [P, L, kv*hd]; bias [P, 1, G*Q, L]."""
-        p_rows, ctx = keys.shape[0], keys.shape[1]
+    def _gathered_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, token_slots: Tensor,
+                            bias: Tensor) -> Tensor:
+        """Plain-MindSpore fallback: every token gathers a copy of its sequence's context (slower
+        than the native kernel, same result). q [T, H, hd]; token_slots [T, C]; bias [T, 1, 1, C]."""
+        n, ctx = token_slots.shape
         kv, hd, grp = self.cfg.num_kv_heads, self.cfg.head_dim, self.group
-        k_t = keys.reshape(p_rows, ctx, kv, hd).transpose(0, 2, 3, 1)  # [P, kv, hd, L]
-        v_h = vals.reshape(p_rows, ctx, kv, hd).transpose(0, 2, 1, 3)  # [P, kv, L, hd]
-        qg = q.reshape(p_rows, q_len, kv, grp, hd).transpose(0, 2, 3, 1, 4).reshape(p_rows, kv, grp * q_len, hd)
-        probs = ops.softmax(self.bmm(qg, k_t) + bias, -1)
-        attn = self.bmm(probs, v_h).reshape(p_rows, kv, grp, q_len, hd).transpose(0, 3, 1, 2, 4)
-        return attn.reshape(p_rows * q_len, kv * grp * hd)
+        flat = token_slots.reshape(-1)
+        k_t = ops.gather(k_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 3, 1)  # [T, kv, hd, C]
+        v_h = ops.gather(v_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 1, 3)  # [T, kv, C, hd]
+        probs = ops.softmax(self.bmm(q.reshape(n, kv, grp, hd), k_t) + bias, -1)
+        return self.bmm(probs, v_h).reshape(n, kv * grp * hd)
 
-    def _decode_attention(self, q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor, diag: tuple) -> Tensor:
-        """Q == 1 attention without permuting the gathered K/V (CPU transposes of them cost more than
-        the whole attention): multiply every key/value head against every query head in one small
-        GEMM and keep the matching (diagonal) kv blocks. q [P, H*hd]; keys/vals [P, L, kv*hd];
-        bias [P, 1, L]. Extra work is kv-fold on tiny matrices; used only while kv is small."""
-        p_rows, ctx = keys.shape[0], keys.shape[1]
-        kv, hd, grp = self.cfg.num_kv_heads, self.cfg.head_dim, self.group
-        q_t = q.reshape(p_rows, kv * grp, hd).transpose(0, 2, 1)  # [P, hd, H]: small
-        s = self.bmm(keys.reshape(p_rows, ctx * kv, hd), q_t).reshape(-1, grp)
-        # Diagonal blocks as a row gather: strided slices and middle-axis reductions are slow on CPU.
-        s = ops.gather(s, diag[0], 0).reshape(p_rows, ctx, kv * grp)
-        probs = ops.softmax(s.transpose(0, 2, 1) + bias, -1)  # [P, H, L]
-        o = self.bmm(probs, vals).reshape(-1, hd)
-        return ops.gather(o, diag[1], 0).reshape(p_rows, kv * grp * hd)
-
-    def _gathered_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx_slots: Tensor, mask: Tensor,
-                            bias: Tensor, diag: tuple, fused: bool) -> Tensor:
-        """Attention over a gathered copy of each row's context (any device, any query length)."""
-        p_rows, ctx = mask.shape[0], mask.shape[-1]
-        keys = ops.gather(k_cache, ctx_slots, 0).reshape(p_rows, ctx, self.kv_size)
-        vals = ops.gather(v_cache, ctx_slots, 0).reshape(p_rows, ctx, self.kv_size)
-        if fused:
-            return self._decode_attention(q, keys, vals, mask.reshape(p_rows, 1, ctx), diag)
-        return self._attention(q, keys, vals, bias, mask.shape[2])
-
-    def _diag_rows(self, p_rows: int, ctx: int) -> tuple:
-        """Row indices of the matching-head blocks in the flattened all-heads products."""
-        kv, grp = self.cfg.num_kv_heads, self.group
-        j = ops.arange(kv, dtype=ms.int32)
-        pl = ops.arange(p_rows * ctx, dtype=ms.int32).reshape(-1, 1)
-        score_rows = (pl * (kv * kv) + j * (kv + 1)).reshape(-1)  # rows (p, l, j, j) of [P, L, kv, kv]
-        p = ops.arange(p_rows, dtype=ms.int32).reshape(-1, 1, 1)
-        g = ops.arange(grp, dtype=ms.int32).reshape(1, 1, -1)
-        out_rows = (p * (kv * grp * kv) + j.reshape(1, -1, 1) * (grp * kv + 1) + g * kv).reshape(-1)
-        return score_rows, out_rows
-
-    def construct(self, tokens: Tensor, positions: Tensor, slots: Tensor, block_tables: Tensor,
-                  logit_rows: Tensor) -> Tensor:
-        """tokens/positions [P, Q] int32; slots [P*Q] int32; block_tables [P, W] int32;
-        logit_rows [R] int32 flat indices into P*Q. Returns logits [R, vocab] and their
-        log-sum-exp [R] (for log-probabilities without a second pass over the vocabulary)."""
+    def construct(self, tokens: Tensor, positions: Tensor, slots: Tensor, token_rows: Tensor,
+                  block_tables: Tensor, logit_rows: Tensor) -> Tensor:
+        """One token-packed step (decode rows and prefill chunks in any mix): tokens, positions,
+        slots and token_rows (each token's sequence) [T] int32; block_tables [R, W] int32 with W
+        fixed by max_model_len, so no shape depends on context length; logit_rows [S] int32 indices
+        into T of the tokens that sample. Returns logits [S, vocab] and their log-sum-exp [S] (for
+        log-probabilities without a second pass over the vocabulary)."""
         cfg = self.cfg
-        p_rows, q_len = tokens.shape
-        n = p_rows * q_len
-        kv, hd, grp = cfg.num_kv_heads, cfg.head_dim, self.group
+        n = tokens.shape[0]
+        rows = block_tables.shape[0]
+        hd = cfg.head_dim
         ctx = block_tables.shape[1] * self.block_size
 
-        pos = positions.reshape(-1)
-        cos = ops.gather(self.cos_table, pos, 0).reshape(n, 1, hd)
-        sin = ops.gather(self.sin_table, pos, 0).reshape(n, 1, hd)
-        # Cache slot of every context position of every row, in position order.
+        cos = ops.gather(self.cos_table, positions, 0).reshape(n, 1, hd)
+        sin = ops.gather(self.sin_table, positions, 0).reshape(n, 1, hd)
+        # Cache slot of every context position of every sequence, in position order.
         offs = ops.arange(self.block_size, dtype=ms.int32)
-        ctx_slots = (block_tables.reshape(p_rows, -1, 1) * self.block_size + offs).reshape(-1)
-        key_pos = ops.arange(ctx, dtype=ms.int32).reshape(1, 1, 1, ctx)
-        visible = key_pos <= positions.reshape(p_rows, 1, q_len, 1)
-        mask = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
-                          ops.full_like(visible, NEG_INF, dtype=ms.float32))  # [P, 1, Q, ctx]
-        bias = ops.tile(mask, (1, 1, grp, 1))  # [P, 1, grp*Q, ctx]: built once, not per layer
-
-        fused = q_len == 1 and self.fused_decode
+        ctx_slots = (block_tables.reshape(rows, -1, 1) * self.block_size + offs).reshape(rows, ctx)
+        if not self.native:
+            token_slots = ops.gather(ctx_slots, token_rows, 0)  # [T, C]
+            visible = ops.arange(ctx, dtype=ms.int32).reshape(1, ctx) <= positions.reshape(n, 1)
+            bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
+                              ops.full_like(visible, NEG_INF, dtype=ms.float32)).reshape(n, 1, 1, ctx)
         wide = n >= TRANSPOSED_MIN_ROWS
-        diag = self._diag_rows(p_rows, ctx) if fused and not self.native else None
-        x = ops.gather(self.embed, tokens.reshape(-1), 0)
+        x = ops.gather(self.embed, tokens, 0)
         h = self._rms(x)
         for i in range(cfg.num_layers):
             qkv = self._linear(h, self.qkv, self.qkv_t, i, wide)
-            q, k, v = self._rope_split(qkv, pos, cos, sin)
+            q, k, v = self._rope_split(qkv, positions, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
             if self.native:
-                attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots.reshape(p_rows, ctx), pos)
+                attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots, token_rows, positions)
             else:
-                attn = self._gathered_attention(q, k_cache, v_cache, ctx_slots, mask, bias, diag, fused)
+                attn = self._gathered_attention(q, k_cache, v_cache, token_slots, bias)
             x, h = self._add_rms(x, self._linear(attn, self.o, self.o_t, i, wide))
             gu = self._linear(h, self.gate_up, self.gate_up_t, i, wide)
             act = self._swiglu(gu)
             x, h = self._add_rms(x, self._linear(act, self.down, self.down_t, i, wide))
-        # h is the final norm of every row (its gain folded into lm_head); only sampled rows go on.
+        # h is the final norm of every token (its gain folded into lm_head); only sampling tokens go on.
         last = ops.gather(h, logit_rows, 0)
         logits = self.linear_op(last, self.lm_head) if self.native else self.matmul_t(last, self.lm_head)
         peak = logits.max(-1, keepdims=True)

@@ -1,15 +1,16 @@
-"""ModelRunner: turns one step (arena views) into padded static-shape graph calls, then samples.
+"""ModelRunner: runs one step (arena views) as a single token-packed static-shape graph call, then samples.
 
-Rows with one query token (decodes) run as one [P, 1] call; prefill chunks are grouped by their
-query-length bucket into [P, Q] calls. P, Q and the block-table width are padded to buckets so
-MindSpore compiles a handful of graphs once (and caches them on disk) instead of one per shape.
+A step is one flat list of T tokens from all its rows (decodes contribute one, prefill chunks
+many), padded to a token bucket; the block-table width is fixed by max_model_len, so the graph set
+is one graph per token bucket, every one built before the agent reports ready.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import numpy as np
 from agent import native
 from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import SamplingRows, needs_penalty, sample
+
+log = logging.getLogger("llm_serving.agent")
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -26,45 +29,38 @@ def bucket(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def pow2_buckets(lo: int, hi: int) -> list[int]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out + [hi]
-
-
 @dataclass
 class RunnerConfig:
     num_blocks: int
     block_size: int
     max_model_len: int
-    decode_buckets: list[int]  # batch sizes of decode graphs
-    prefill_buckets: list[int]  # query lengths of prefill graphs
-    max_prefill_rows: int = 4  # short prompts fused into one [P, Q] prefill graph
-    context_buckets: list[int] = field(default_factory=list)  # attention widths; empty = powers of 2
+    token_buckets: list[int]  # padded token counts of a step, one graph each; the last is the most per step
+    max_rows: int  # sequences per step
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
 
     def __post_init__(self) -> None:
-        ctx = [c for c in self.context_buckets if c < self.max_model_len]
-        self.context_buckets = ctx + [self.max_model_len] if ctx else pow2_buckets(
-            min(128, self.max_model_len), self.max_model_len)
+        self.token_buckets = sorted(set(self.token_buckets))
+        if self.token_buckets[0] < 1 or self.max_rows < 1:
+            raise ValueError("token buckets and max_rows must be positive")
 
-    def warmup_shapes(self) -> list[tuple[int, int, int]]:
-        """Every decode batch bucket and every prefill (rows, chunk) bucket at the shortest context:
-        a compile stalls its step for seconds (7 s of queueing in a 2 req/s run when fused prefill
-        rows compiled on first use), so every shape a short-context workload meets is built before
-        traffic. Longer contexts compile on first use (then load from the on-disk cache)."""
-        ctx = self.context_buckets[0]
-        shapes = {(b, 1, ctx) for b in self.decode_buckets}
-        shapes |= {(p, q, ctx) for p in pow2_buckets(1, self.max_prefill_rows) for q in self.prefill_buckets}
-        return sorted(shapes)
+    @property
+    def width(self) -> int:
+        """Block-table columns: fixed, so no graph depends on context length."""
+        return -(-self.max_model_len // self.block_size)
+
+    def rows_for(self, tokens: int) -> int:
+        """Rows (block tables, sampled tokens) of the graph for a token bucket: never more than its tokens."""
+        return min(tokens, self.max_rows)
+
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """(tokens, rows) of every graph a step can run: all of them are built before ready."""
+        return [(t, self.rows_for(t)) for t in self.token_buckets]
 
 
 def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
     exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
-    return f"{model_cfg}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.warmup_shapes()}"
+    return f"{model_cfg}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
 
 
 def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
@@ -110,73 +106,54 @@ class ModelRunner:
         self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
-        self.compiled: set[tuple[int, int, int]] = set()
+        self.compiled: set[tuple[int, int]] = set()  # graph shapes built in this process
 
-    # ------------------------------------------------------------ graph calls
-    def _width_bucket(self, context: int) -> int:
-        ctx = bucket(context, self.rc.context_buckets)
-        return -(-ctx // self.rc.block_size)
+    @property
+    def graph_compiles(self) -> int:
+        return len(self.compiled)
 
-    def _run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-             logit_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # ------------------------------------------------------------ graph call
+    def _run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, token_rows: np.ndarray,
+             tables: np.ndarray, logit_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         from mindspore import Tensor
 
-        self.compiled.add((tokens.shape[0], tokens.shape[1], tables.shape[1]))
-        logits, lse = self.model(Tensor(tokens), Tensor(positions), Tensor(slots), Tensor(tables),
-                                 Tensor(logit_rows))
+        self.compiled.add((tokens.shape[0], tables.shape[0]))
+        logits, lse = self.model(Tensor(tokens), Tensor(positions), Tensor(slots), Tensor(token_rows),
+                                 Tensor(tables), Tensor(logit_rows))
         return logits.asnumpy(), lse.asnumpy()
 
-    def _call(self, rows: list[int], q_pad: int, p_pad: int, v: dict[str, np.ndarray],
-              starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Pack `rows` into a [p_pad, q_pad] call; returns logits/lse of each row's last token."""
-        qlens = v["query_lens"]
-        context = int(max(v["positions"][starts[r] + qlens[r] - 1] for r in rows)) + 1
-        width = self._width_bucket(context)
-        tokens = np.zeros((p_pad, q_pad), np.int32)
-        positions = np.zeros((p_pad, q_pad), np.int32)
-        slots = np.zeros((p_pad, q_pad), np.int32)  # padding writes into reserved block 0
-        tables = np.zeros((p_pad, width), np.int32)
-        have = min(width, v["block_tables"].shape[1])
-        for i, r in enumerate(rows):
-            s, q = starts[r], qlens[r]
-            tokens[i, :q] = v["tokens"][s:s + q]
-            positions[i, :q] = v["positions"][s:s + q]
-            slots[i, :q] = v["slots"][s:s + q]
-            tables[i, :have] = v["block_tables"][r, :have]
-        logit_rows = np.arange(p_pad, dtype=np.int32) * q_pad
-        logit_rows[:len(rows)] += qlens[rows] - 1
-        logits, lse = self._run(tokens, positions, slots.reshape(-1), tables, logit_rows)
-        return logits[:len(rows)], lse[:len(rows)]
-
-    # ------------------------------------------------------------ step
     def forward(self, v: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Logits [R, vocab] and log-sum-exp [R] at the last query token of every row."""
+        """Logits [R, vocab] and log-sum-exp [R] at the last query token of every row, from one
+        graph call over the packed tokens of all rows."""
         qlens = v["query_lens"]
-        n_rows = qlens.shape[0]
-        starts = self._starts(qlens, v["tokens"].shape[0])
-        logits = np.zeros((n_rows, self.cfg.vocab_size), np.float32)
-        lse = np.zeros(n_rows, np.float32)
-        decodes = [r for r in range(n_rows) if qlens[r] == 1]
-        biggest = self.rc.decode_buckets[-1]
-        for i in range(0, len(decodes), biggest):
-            group = decodes[i:i + biggest]
-            logits[group], lse[group] = self._call(group, 1, bucket(len(group), self.rc.decode_buckets), v, starts)
-        by_q: dict[int, list[int]] = {}
-        for r in range(n_rows):
-            if qlens[r] > 1:
-                by_q.setdefault(bucket(int(qlens[r]), self.rc.prefill_buckets), []).append(r)
-        p_buckets = pow2_buckets(1, self.rc.max_prefill_rows)
-        for q_pad, group_rows in sorted(by_q.items()):
-            for i in range(0, len(group_rows), self.rc.max_prefill_rows):
-                group = group_rows[i:i + self.rc.max_prefill_rows]
-                logits[group], lse[group] = self._call(group, q_pad, bucket(len(group), p_buckets), v, starts)
-        return logits, lse
+        n_rows, n_tokens = qlens.shape[0], v["tokens"].shape[0]
+        starts = self._starts(qlens, n_tokens)
+        t_pad = bucket(n_tokens, self.rc.token_buckets)
+        r_pad = self.rc.rows_for(t_pad)
+        if n_rows > r_pad:
+            raise ValueError(f"{n_rows} rows exceed the {r_pad} of a {t_pad}-token step")
+        tokens = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slots = np.zeros(t_pad, np.int32)  # padding writes into reserved block 0
+        # Padding tokens get a row of their own when there is one (an all-zero table: slot 0).
+        token_rows = np.full(t_pad, min(n_rows, r_pad - 1), np.int32)
+        tables = np.zeros((r_pad, self.rc.width), np.int32)
+        tokens[:n_tokens] = v["tokens"]
+        positions[:n_tokens] = v["positions"]
+        slots[:n_tokens] = v["slots"]
+        token_rows[:n_tokens] = np.repeat(np.arange(n_rows, dtype=np.int32), qlens)
+        have = min(self.rc.width, v["block_tables"].shape[1])
+        tables[:n_rows, :have] = v["block_tables"][:, :have]
+        logit_rows = np.zeros(r_pad, np.int32)
+        logit_rows[:n_rows] = starts + qlens - 1
+        logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows)
+        return logits[:n_rows], lse[:n_rows]
 
     @staticmethod
     def _starts(qlens: np.ndarray, n_tokens: int) -> np.ndarray:
         if int(qlens.sum()) != n_tokens or np.any(qlens <= 0):
             raise ValueError("query_lens must be positive and sum to n_tokens")
-        return np.concatenate([[0], np.cumsum(qlens)[:-1]]).astype(np.int64)
+        return (np.cumsum(qlens) - qlens).astype(np.int64)
 
     def step(self, v: dict[str, np.ndarray], free: list[int]) -> float:
         """Run one step described by arena views `v`; writes out_* fields. Returns model seconds."""
@@ -215,12 +192,15 @@ class ModelRunner:
     def reset(self) -> None:
         self.histories.clear()
 
-    def warmup(self, shapes: list[tuple[int, int, int]]) -> None:
-        """Compile (P, Q, context) graphs ahead of traffic, in the given (fixed) order; graphs
-        built later never touch the on-disk cache."""
-        for p, q, ctx in shapes:
-            width = self._width_bucket(ctx)
-            z = np.zeros((p, q), np.int32)
-            self._run(z, z, z.reshape(-1), np.zeros((p, width), np.int32),
-                      np.arange(p, dtype=np.int32) * q)
+    def warmup(self) -> None:
+        """Build every graph a step can run (one per token bucket) before traffic, in a fixed order:
+        a compile under traffic stalls its step for seconds. Graphs load from the on-disk cache when
+        it is warm; none is ever built after this."""
+        shapes = self.rc.graph_shapes()
+        for i, (t, r) in enumerate(shapes, 1):
+            t0 = time.monotonic()
+            z = np.zeros(t, np.int32)
+            self._run(z, z, z, np.full(t, r - 1, np.int32), np.zeros((r, self.rc.width), np.int32),
+                      np.zeros(r, np.int32))
+            log.info("building graphs %d/%d (%d tokens, %d rows) %.1fs", i, len(shapes), t, r, time.monotonic() - t0)
         freeze_compile_cache()

@@ -24,8 +24,9 @@ class ServingConfig:
     model_cfg_path: str | None = None
     max_generate_length: int = 2048
     end_token: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
+    # Token buckets of a packed step are the union of these two lists (capped by the step's most tokens).
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
-    decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size
+    decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
     context_buckets: list[int] = field(default_factory=list)  # zactivate_len; empty = powers of two
     pad_token_id: int = 0
@@ -62,6 +63,22 @@ class ServingConfig:
         return self.max_num_batched_tokens or self.prefill_buckets[-1]
 
     @property
+    def max_running(self) -> int:
+        """Sequences in flight per agent: the rows of a step."""
+        return self.decode_buckets[-1]
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Most tokens in one step: the budget, or one decode per running sequence if that is more."""
+        return max(self.token_budget, self.max_running)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        """Padded token counts of a packed step: one graph each, all built before ready."""
+        top = self.max_step_tokens
+        return sorted({b for b in self.decode_buckets + self.prefill_buckets if b < top} | {top})
+
+    @property
     def max_rows(self) -> int:
         return self.decode_buckets[-1] + self.max_prefill_rows
 
@@ -78,8 +95,6 @@ class ServingConfig:
             raise ValueError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
                              f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
                              f"decode_seq_length {self.max_model_len} (block 0 is reserved)")
-        if self.prefill_buckets[-1] > self.max_model_len:
-            raise ValueError("model_config.seq_length exceeds pa_config.decode_seq_length")
         if self.schedule_policy not in ("fcfs", "sjf", "priority"):
             raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
         return self

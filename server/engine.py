@@ -39,6 +39,8 @@ class Engine:
         self.cfg, self.tok, self.restart = cfg, tokenizer, restart
         self.metrics = metrics or Metrics()
         self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
+        for lane in self.lanes:
+            self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info))
         eos = set(tokenizer.eos_token_ids) | set(cfg.end_token)
         for c in clients:
             eos |= set(c.info.get("eos_token_ids", []))
@@ -209,6 +211,7 @@ class Engine:
         self.steps.append({"agent": lane.index, "kind": kind, "start": lane.sent_at, "end": now, "rows": len(plan),
                            "tokens": sum(p.n_tokens for p in plan), "model_s": body.get("model_s", 0.0)})
         del self.steps[:-2000]
+        self.metrics.graph_compiles.inc(lane.new_compiles(body))
         lane.sched.step_done(plan)
         f = lane.client.arena.fields
         for i, p in enumerate(plan):

@@ -33,6 +33,7 @@ class AgentLane:
         self.ping_pending = False
         self.pending_free: list[int] = []  # finished sequence ids, told to the agent with the next step
         self.restarts = 0  # restarts in a row, reset by a successful step
+        self.graph_compiles = 0  # graphs this lane's agent process has built, as it last said
         self.down_since = 0.0
         self.why = ""
 
@@ -87,3 +88,10 @@ class AgentLane:
 
     def attach(self, client: AgentClient) -> None:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()
+        self.graph_compiles = 0  # a new process
+
+    def new_compiles(self, reply: dict) -> int:
+        """Graphs the agent built since its last reply (its count is per process)."""
+        n = int(reply.get("graph_compiles", self.graph_compiles))
+        delta, self.graph_compiles = max(0, n - self.graph_compiles), max(n, self.graph_compiles)
+        return delta

@@ -25,4 +25,6 @@ class Metrics:
         self.preemptions = Counter("llm_serving_preemptions", "Sequences preempted", registry=r)
         self.agent_restarts = Counter("llm_serving_agent_restarts", "Agents restarted after a crash or a stuck step",
                                       registry=r)
+        self.graph_compiles = Counter("llm_serving_graph_compiles", "Model graphs built by the agents (warm-up "
+                                      "included; none after ready)", registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)

@@ -55,8 +55,7 @@ class Scheduler:
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.max_running = cfg.decode_buckets[-1]
-        self.max_chunk = cfg.prefill_buckets[-1]
+        self.max_running = cfg.max_running
         self.preempted = 0  # total preemptions, for metrics
 
     def _order_key(self, seq: Sequence) -> tuple:
@@ -128,7 +127,7 @@ class Scheduler:
                 break
             if seq not in self.running or seq.remaining <= 1:
                 continue
-            n = min(seq.remaining, budget, self.max_chunk)
+            n = min(seq.remaining, budget)
             if self._reserve(seq, seq.computed + n, plan):
                 plan.append(Planned(seq, n, n == seq.remaining))
                 budget -= n
@@ -140,7 +139,7 @@ class Scheduler:
             if not seq.table:
                 seq.table = self.blocks.match_prefix(seq.tokens)
                 seq.computed = len(seq.table) * self.cfg.block_size
-            n = min(seq.remaining, budget, self.max_chunk)
+            n = min(seq.remaining, budget)
             if not self.blocks.grow(seq.table, seq.computed + n):
                 self.blocks.release(seq.table)
                 seq.computed = 0

@@ -61,6 +61,7 @@ class Supervisor:
                 log.warning("agent %d is back after %.1fs", index, time.monotonic() - lane.down_since)
                 self.metrics.agent_restarts.inc()
                 lane.attach(client)
+                self.metrics.graph_compiles.inc(lane.new_compiles(client.info))
             return []
         log.error("agent %d: restart failed: %s", index, error)
         lane.why = f"restart failed: {error}"

@@ -1,6 +1,6 @@
 """The on-disk compile cache never hands back another shape's graph. MindSpore names cached graphs
 by compile order, so: start 1 warms up and then meets shapes in one order, start 2 (same cache) meets
-them in another order, start 3 has another warm-up list (another config); all give the same logits."""
+them in another order, start 3 has another graph set (another config); all give the same logits."""
 from __future__ import annotations
 
 import json
@@ -21,30 +21,30 @@ from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 
 cfg = tiny_model_config()
-rc = RunnerConfig(num_blocks=80, block_size=4, max_model_len=128, decode_buckets=json.loads(sys.argv[2]),
-                  prefill_buckets=[8, 16], max_prefill_rows=1, context_buckets=[32, 64])
+rc = RunnerConfig(num_blocks=80, block_size=4, max_model_len=64, token_buckets=json.loads(sys.argv[2]), max_rows=2)
 setup_mindspore(sys.argv[1], key=compile_cache_key(cfg, rc))
 runner = ModelRunner(cfg, random_weights(cfg, seed=0), rc)
-runner.warmup(rc.warmup_shapes())
+runner.warmup()
 out = {}
-for p, q, width in json.loads(sys.argv[3]):
-    n = p * q
-    tokens = (np.arange(n, dtype=np.int32) * 7 % 250).reshape(p, q)
-    positions = np.tile(np.arange(q, dtype=np.int32), (p, 1))
-    tables = np.zeros((p, width), np.int32)
-    tables[:, : -(-q // 4)] = 1 + np.arange(p * -(-q // 4), dtype=np.int32).reshape(p, -1)
-    slots = (tables[np.arange(p)[:, None], positions // 4] * 4 + positions % 4).reshape(-1).astype(np.int32)
-    logits, _ = runner._run(tokens, positions, slots, tables, np.arange(p, dtype=np.int32) * q + q - 1)
-    out[f"{p},{q},{width}"] = logits.tolist()
+for t, r in json.loads(sys.argv[3]):  # r rows of t // r tokens each, packed
+    q = t // r
+    tokens = np.arange(t, dtype=np.int32) * 7 % 250
+    positions = np.tile(np.arange(q, dtype=np.int32), r)
+    token_rows = np.repeat(np.arange(r, dtype=np.int32), q)
+    tables = np.zeros((r, rc.width), np.int32)
+    tables[:, : -(-q // 4)] = 1 + np.arange(r * -(-q // 4), dtype=np.int32).reshape(r, -1)
+    slots = (tables[token_rows, positions // 4] * 4 + positions % 4).astype(np.int32)
+    logits, _ = runner._run(tokens, positions, slots, token_rows, tables, np.arange(r, dtype=np.int32) * q + q - 1)
+    out[f"{t},{r}"] = logits.tolist()
 print("RESULT" + json.dumps(out))
 """
-LATER = [[1, 8, 16], [2, 8, 16], [1, 16, 16], [1, 1, 32]]  # the last is a warm-up shape
+LATER = [[8, 1], [16, 2], [12, 1], [6, 2], [2, 2]]  # the last is a warm-up shape
 
 
-def _start(tmp: Path, decode_buckets: list[int], shapes: list[list[int]]) -> dict[str, np.ndarray]:
+def _start(tmp: Path, token_buckets: list[int], shapes: list[list[int]]) -> dict[str, np.ndarray]:
     script = tmp / "order_script.py"  # MindSpore reads its entry script's source: no `python -c`
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp / "ms"), json.dumps(decode_buckets), json.dumps(shapes)],
+    proc = subprocess.run([sys.executable, str(script), str(tmp / "ms"), json.dumps(token_buckets), json.dumps(shapes)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
@@ -52,8 +52,8 @@ def _start(tmp: Path, decode_buckets: list[int], shapes: list[list[int]]) -> dic
 
 
 def test_shapes_met_in_another_order_after_restart_stay_correct(tmp_path):
-    first = _start(tmp_path, [1], LATER)
-    runs = [_start(tmp_path, [1], LATER[::-1]), _start(tmp_path, [1, 2], LATER[1:] + LATER[:1])]
+    first = _start(tmp_path, [1, 2], LATER)
+    runs = [_start(tmp_path, [1, 2], LATER[::-1]), _start(tmp_path, [1, 2, 4], LATER[1:] + LATER[:1])]
     for again in runs:
         assert again.keys() == first.keys()
         for key in first:

@@ -14,16 +14,17 @@ from tests.reference import reference_logits
 LOGIT_TOL = 1e-3
 PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [250, 1, 2], list(range(30, 70)), [9]]
 DECODE_STEPS = 32
+TOKEN_BUCKETS = [1, 2, 4, 8, 16, 64, 128]
 
 
 def make_runner(weights, block_size: int, num_blocks: int = 0, native: bool = True) -> ModelRunner:
     setup_mindspore()
     num_blocks = num_blocks or 1 + 4 * (-(-128 // block_size)) + 8
     rc = RunnerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=128,
-                      decode_buckets=[1, 2, 4, 8], prefill_buckets=[16, 64], max_prefill_rows=4,
-                      context_buckets=[64], native_kernels=native)
+                      token_buckets=TOKEN_BUCKETS, max_rows=8, native_kernels=native)
     runner = ModelRunner(tiny_model_config(), weights, rc)
     assert runner.native_kernels == native  # CI machines have a C++ compiler: the kernels must build
+    runner.warmup()
     return runner
 
 
@@ -128,10 +129,50 @@ def test_repetition_penalty_changes_greedy_output(runner16):
     assert len(set(out)) == len(out)  # so strong a penalty never repeats within 16 tokens
 
 
-def test_warmup_builds_every_short_context_shape():
-    """Fused prefill rows compiled on first use stalled a 2 req/s run for 7 s: warm-up covers every
-    (rows, chunk) and decode bucket at the shortest context, and nothing wider."""
-    rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, decode_buckets=[1, 8],
-                      prefill_buckets=[32, 128], max_prefill_rows=4, context_buckets=[256, 512])
-    assert rc.warmup_shapes() == sorted([(1, 1, 256), (8, 1, 256)] +
-                                        [(p, q, 256) for p in (1, 2, 4) for q in (32, 128)])
+def _mixed_step(runner: ModelRunner, driver: "PagedDriver", order: list[int]) -> dict[int, np.ndarray]:
+    """One packed step: 3 decode rows (contexts 7, 40 and 3 tokens already cached) and 2 prefill
+    chunks (a 9-token prompt whole, the first 20 of a 30-token prompt), in the given row order.
+    Returns each row's logits at its last query token."""
+    long_prompt = list(range(100, 130))
+    seqs = [PROMPTS[0] + [11], PROMPTS[2] + [12], PROMPTS[1] + [13], [3, 1, 4, 1, 5, 9, 2, 6, 5], long_prompt]
+    tables = [driver._table(len(s), []) for s in seqs]
+    warm = [RowInput(i, np.asarray(seqs[i][:-1], np.int32), 0, tables[i], False, driver.params,
+                     len(seqs[i]) - 1, 0) for i in range(3)]  # the decode rows' contexts, cached first
+    v = driver.arena.views(*write_step(driver.arena, warm, driver.bs))
+    runner.forward(v)
+    rows = {0: (seqs[0][-1:], len(seqs[0]) - 1), 1: (seqs[1][-1:], len(seqs[1]) - 1),
+            2: (seqs[2][-1:], len(seqs[2]) - 1), 3: (seqs[3], 0), 4: (seqs[4][:20], 0)}
+    step = [RowInput(i, np.asarray(rows[i][0], np.int32), rows[i][1], tables[i], True, driver.params,
+                     len(seqs[i]), 0) for i in order]
+    v = driver.arena.views(*write_step(driver.arena, step, driver.bs))
+    logits, _ = runner.forward(v)
+    return {i: logits[k].copy() for k, i in enumerate(order)}, seqs
+
+
+@pytest.mark.parametrize("order", [[0, 3, 1, 4, 2], [4, 3, 2, 1, 0]], ids=["interleaved", "prefills-first"])
+def test_packed_mixed_step_matches_reference(runner16, tiny_weights, order):
+    """Decode rows and prefill chunks of different lengths in one graph call, each row equal to the
+    float64 reference at its own last query token."""
+    got, seqs = _mixed_step(runner16, PagedDriver(runner16), order)
+    last = {0: len(seqs[0]) - 1, 1: len(seqs[1]) - 1, 2: len(seqs[2]) - 1, 3: len(seqs[3]) - 1, 4: 19}
+    cfg = tiny_model_config()
+    for i, pos in last.items():
+        ref = reference_logits(cfg, tiny_weights, seqs[i][:pos + 1])[pos]
+        assert np.abs(got[i] - ref).max() <= LOGIT_TOL, f"row {i}"
+
+
+def test_request_alone_and_in_any_mix_gives_identical_tokens(runner16):
+    """The same request run alone, with one other, and inside a mixed batch of prompts of other
+    lengths and decodes gives the same greedy tokens; no graph is built after warm-up."""
+    alone, _ = PagedDriver(runner16).run([PROMPTS[2]], 12, collect_logits=False)
+    for mix in ([PROMPTS[0], PROMPTS[2]], [PROMPTS[3], PROMPTS[1], PROMPTS[2], list(range(200, 255))]):
+        got, _ = PagedDriver(runner16).run(mix, 12, collect_logits=False)
+        assert got[mix.index(PROMPTS[2])] == alone[0]
+    assert runner16.graph_compiles == len(runner16.rc.graph_shapes())
+
+
+def test_graph_set_is_one_graph_per_token_bucket():
+    rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, token_buckets=[128, 1, 16, 256, 64],
+                      max_rows=64)
+    assert rc.graph_shapes() == [(1, 1), (16, 16), (64, 64), (128, 64), (256, 64)]
+    assert rc.width == 64

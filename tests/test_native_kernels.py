@@ -10,13 +10,13 @@ from agent import native
 from agent.runner import setup_mindspore
 
 
-def reference(q, kc, vc, slots, pos, q_len):
+def reference(q, kc, vc, slots, token_rows, pos):
     n, width = q.shape
     kv, hd = kc.shape[1:]
     heads = width // hd
     out = np.zeros((n, width))
     for row in range(n):
-        ctx = slots[row // q_len, :pos[row] + 1]
+        ctx = slots[token_rows[row], :pos[row] + 1]
         for h in range(heads):
             k = kc[ctx, h // (heads // kv)].astype(np.float64)
             v = vc[ctx, h // (heads // kv)].astype(np.float64)
@@ -26,11 +26,14 @@ def reference(q, kc, vc, slots, pos, q_len):
     return out
 
 
-@pytest.mark.parametrize("heads,kv,hd,q_len", [(9, 3, 64, 1), (4, 4, 128, 1), (4, 2, 16, 1), (6, 2, 64, 3),
-                                                (9, 3, 64, 40), (4, 4, 16, 8)],
+# Query tokens per sequence of one packed step: decodes (1), short runs (< 8: per-token path) and
+# prefill chunks (GEMM path), mixed in any order.
+@pytest.mark.parametrize("heads,kv,hd,q_lens", [(9, 3, 64, [1] * 5), (4, 4, 128, [1] * 5), (4, 2, 16, [1] * 5),
+                                                 (6, 2, 64, [3] * 5), (9, 3, 64, [40] * 5), (4, 4, 16, [8] * 5),
+                                                 (9, 3, 64, [1, 40, 1, 3, 9]), (4, 2, 16, [33, 1, 1, 8, 2])],
                          ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa",
-                              "prefill-gemm-mha-hd16"])
-def test_kernel_matches_numpy(heads, kv, hd, q_len):
+                              "prefill-gemm-mha-hd16", "packed-mix-gqa", "packed-mix-hd16"])
+def test_kernel_matches_numpy(heads, kv, hd, q_lens):
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
@@ -47,19 +50,21 @@ def test_kernel_matches_numpy(heads, kv, hd, q_len):
         def construct(self, *args):
             return self.op(*args)
 
-    rng = np.random.default_rng(hd + q_len)
-    seqs, ctx, n_slots = 5, 48, 512
+    rng = np.random.default_rng(hd + sum(q_lens))
+    seqs, ctx, n_slots = len(q_lens), 48, 512
+    token_rows = np.repeat(np.arange(seqs), q_lens).astype(np.int32)
     kc = rng.standard_normal((n_slots, kv, hd), dtype=np.float32)
     vc = rng.standard_normal((n_slots, kv, hd), dtype=np.float32)
     # Scattered, non-contiguous slots per sequence, as paged blocks are.
     slots = np.stack([rng.permutation(n_slots)[:ctx] for _ in range(seqs)]).astype(np.int32)
     # Context lengths 1..ctx, including lengths that are not a multiple of the kernel's key block.
-    pos = rng.integers(0, ctx, seqs * q_len).astype(np.int32)
+    n = len(token_rows)
+    pos = rng.integers(0, ctx, n).astype(np.int32)
     pos[:3] = [0, 6, ctx - 1]
-    q = rng.standard_normal((seqs * q_len, heads * hd), dtype=np.float32) / np.sqrt(hd)
+    q = rng.standard_normal((n, heads * hd), dtype=np.float32) / np.sqrt(hd)
     got = Attention()(Tensor(q), ms.Parameter(Tensor(kc), name="k"), ms.Parameter(Tensor(vc), name="v"),
-                      Tensor(slots), Tensor(pos)).asnumpy()
-    np.testing.assert_allclose(got, reference(q, kc, vc, slots, pos, q_len), atol=1e-4, rtol=1e-4)
+                      Tensor(slots), Tensor(token_rows), Tensor(pos)).asnumpy()
+    np.testing.assert_allclose(got, reference(q, kc, vc, slots, token_rows, pos), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 100), (130, 96, 49), (64, 1536, 8)],

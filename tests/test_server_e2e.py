@@ -247,3 +247,34 @@ def test_agent_sigkill_requests_move_to_live_agent_then_fail_cleanly(tmp_path, t
         assert r.status_code >= 500 and "agent" in r.json()["error"]
     finally:
         srv.stop()
+
+
+def _graph_compiles(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("llm_serving_graph_compiles_total")))
+
+
+def test_no_graph_is_built_after_ready(server):
+    """Every graph is built before ready: a burst of prompts of 1 to max_model_len - max_tokens
+    tokens, mixed with decodes of the ones already running, adds no compile."""
+    before = _graph_compiles(server.url)
+    assert before == 5  # one graph per token bucket of the tiny config: 1, 4, 8, 16, 32
+    lengths = [1, 104, 2, 57, 9, 33, 17, 3, 80, 31, 64, 5]
+    errors: list[str] = []
+
+    def run(i: int, n: int) -> None:
+        body = {"model": "tiny", "prompt": [(7 * i + j) % 250 + 3 for j in range(n)], "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=180)
+        if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != 24:
+            errors.append(r.text)
+
+    threads = [threading.Thread(target=run, args=(i, n)) for i, n in enumerate(lengths)]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.05 * (i % 3))  # staggered: new prompts join steps that are decoding
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    assert _graph_compiles(server.url) == before

@@ -1,12 +1,14 @@
-// Paged attention for MindSpore CPU as an AOT custom op: every query row attends over its own
-// context read by slot from the flat KV cache, with no mask tensor. Decode rows (one query per
-// sequence) read K/V in place with vector dot products. Prefill chunks gather each KV head's context
-// once per block of queries and run scores and the weighted sum of V as two GEMMs per query head
-// (dot products per key were 1.4x slower there than MindSpore's gather + batched GEMMs).
+// Paged attention for MindSpore CPU as an AOT custom op over a token-packed step: every query token
+// attends over its own sequence's context, read by slot from the flat KV cache, with no mask tensor.
+// Any mix of decode rows and prefill chunks runs in one call. Tokens of short runs (decodes) read
+// K/V in place with vector dot products. Runs of GEMM_MIN_QUERIES or more tokens of one sequence (a
+// prefill chunk) gather each KV head's context once per block of queries and run scores and the
+// weighted sum of V as two GEMMs per query head (dot products per key were 1.4x slower there).
 //
 // Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd],
-// ctx_slots [P, C] (cache slot of each context position of each sequence), positions [N]
-// (row n is sequence n / (N/P) and sees context positions 0..positions[n]). Output [N, H*hd].
+// ctx_slots [R, C] (cache slot of each context position of each sequence), token_rows [N] (the
+// sequence of each token; a sequence's tokens are contiguous), positions [N] (token n sees context
+// positions 0..positions[n]). Output [N, H*hd].
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,9 +22,10 @@ namespace {
 
 struct Args {
   const float *q, *kc, *vc;
-  const int32_t *slots, *pos;
+  const int32_t *slots, *rows, *pos;
   float *out;
-  int64_t n, kv, hd, grp, ctx, q_len;
+  int64_t n, kv, hd, grp, ctx;
+  const int32_t *row_slots(int64_t token) const { return slots + rows[token] * ctx; }
 };
 
 // 8 floats: one AVX register, two NEON registers; GCC/Clang vector extensions keep this portable.
@@ -81,7 +84,7 @@ void attend_rows(const Args &a, int64_t begin, int64_t end) {
   std::vector<float> s(a.ctx);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
-    const int32_t *slots = a.slots + (row / a.q_len) * a.ctx;
+    const int32_t *slots = a.row_slots(row);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t g = h / a.grp;
       score<HD>(a.q + row * width + h * HD, a.kc + g * HD, slots, len, stride, s.data());
@@ -97,7 +100,7 @@ void attend_any(const Args &a, int64_t begin, int64_t end) {
   std::vector<float> s(a.ctx);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
-    const int32_t *slots = a.slots + (row / a.q_len) * a.ctx;
+    const int32_t *slots = a.row_slots(row);
     for (int64_t h = 0; h < heads; ++h) {
       const float *q = a.q + row * width + h * hd, *kc = a.kc + (h / a.grp) * hd, *vc = a.vc + (h / a.grp) * hd;
       for (int64_t j = 0; j < len; ++j) {
@@ -130,7 +133,7 @@ void attend_gemm(const Args &a, int64_t t0, int64_t t1, int64_t g) {
   keys.resize(len * hd);
   vals.resize(len * hd);
   s.resize(m * len);
-  const int32_t *slots = a.slots + (t0 / a.q_len) * a.ctx;
+  const int32_t *slots = a.row_slots(t0);
   for (int64_t j = 0; j < len; ++j) {
     std::memcpy(&keys[j * hd], a.kc + slots[j] * stride + g * hd, hd * sizeof(float));
     std::memcpy(&vals[j * hd], a.vc + slots[j] * stride + g * hd, hd * sizeof(float));
@@ -159,25 +162,35 @@ void attend(const Args &a, int64_t begin, int64_t end) {
 
 extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  if (nparam != 6 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[3], "int32") ||
-      std::strcmp(dtypes[4], "int32"))
+  if (nparam != 7 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[3], "int32") ||
+      std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32"))
     return 1;
   Args a{static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
          static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
-         static_cast<const int32_t *>(params[4]), static_cast<float *>(params[5]),
-         shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1], 0};
+         static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
+         static_cast<float *>(params[6]), shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1]};
   a.grp = shapes[0][1] / (a.kv * a.hd);
-  a.q_len = a.n / shapes[3][0];
-  if (a.q_len < GEMM_MIN_QUERIES) {
-    kernels::parallel_ranges(a.n, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
-    return 0;
+  const int64_t n_rows = shapes[3][0];
+  for (int64_t t = 0; t < a.n; ++t)
+    if (a.rows[t] < 0 || a.rows[t] >= n_rows) return 1;
+  // Tasks: one per token of a short run; one per (query block, KV head) of a long run.
+  struct Task { int64_t t0, t1, g; };
+  std::vector<Task> tasks;
+  for (int64_t t0 = 0, t1; t0 < a.n; t0 = t1) {
+    for (t1 = t0 + 1; t1 < a.n && a.rows[t1] == a.rows[t0]; ++t1) {}
+    if (t1 - t0 < GEMM_MIN_QUERIES) {
+      for (int64_t t = t0; t < t1; ++t) tasks.push_back({t, t + 1, -1});
+      continue;
+    }
+    for (int64_t b = t0; b < t1; b += QUERY_BLOCK)
+      for (int64_t g = 0; g < a.kv; ++g) tasks.push_back({b, std::min(b + QUERY_BLOCK, t1), g});
   }
-  // One task per (sequence, query block, KV head), handed out one at a time.
-  const int64_t blocks = (a.q_len + QUERY_BLOCK - 1) / QUERY_BLOCK, seqs = a.n / a.q_len;
-  kernels::Pool::get().run(seqs * blocks * a.kv, [&](int64_t task) {
-    const int64_t g = task % a.kv, b = task / a.kv % blocks, p = task / (a.kv * blocks);
-    const int64_t t0 = p * a.q_len + b * QUERY_BLOCK;
-    attend_gemm(a, t0, std::min(t0 + QUERY_BLOCK, (p + 1) * a.q_len), g);
+  // Long tasks first, so the pool's one-at-a-time hand-out ends with the short ones.
+  std::stable_partition(tasks.begin(), tasks.end(), [](const Task &t) { return t.g >= 0; });
+  kernels::Pool::get().run(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task &t = tasks[i];
+    if (t.g < 0) attend(a, t.t0, t.t1);
+    else attend_gemm(a, t.t0, t.t1, t.g);
   });
   return 0;
 }
