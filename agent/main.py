@@ -192,7 +192,8 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     t0 = time.monotonic()
     model_cfg, weights = load_model(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.max_model_len)
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-                      token_buckets=cfg.token_buckets, max_rows=cfg.max_running)
+                      token_buckets=cfg.token_buckets, max_rows=cfg.max_running,
+                      mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows)
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=compile_cache_key(model_cfg, rc))
     runner = ModelRunner(model_cfg, weights, rc, seed=index)

@@ -20,6 +20,7 @@ from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import SamplingRows, needs_penalty, sample
 
 log = logging.getLogger("llm_serving.agent")
+FEW_LOGIT_ROWS = 8  # a prefill-only step's chunks (prefill_batch_size, 4 by default) and a few decodes
 
 
 def bucket(n: int, buckets: list[int]) -> int:
@@ -36,6 +37,8 @@ class RunnerConfig:
     max_model_len: int
     token_buckets: list[int]  # padded token counts of a step, one graph each; the last is the most per step
     max_rows: int  # sequences per step
+    mixed_tokens: int = 0  # most tokens of a step with decodes; larger buckets serve prefill-only steps (0: all)
+    prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
 
     def __post_init__(self) -> None:
@@ -49,12 +52,22 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
     def rows_for(self, tokens: int) -> int:
-        """Rows (block tables, sampled tokens) of the graph for a token bucket: never more than its tokens."""
+        """Rows (block tables) of the graphs of a token bucket: never more than its tokens."""
         return min(tokens, self.max_rows)
 
-    def graph_shapes(self) -> list[tuple[int, int]]:
-        """(tokens, rows) of every graph a step can run: all of them are built before ready."""
-        return [(t, self.rows_for(t)) for t in self.token_buckets]
+    def logit_rows_for(self, tokens: int) -> list[int]:
+        """Rows the LM head runs on, per graph of a token bucket: all rows, or a few for the
+        prefill-heavy steps of large buckets (measured, SmolLM2 on 2 cores: the LM head of 64 rows
+        costs ~65 ms, 13-25% of a 128-256-token step that samples one or two)."""
+        rows = self.rows_for(tokens)
+        few = min(max(FEW_LOGIT_ROWS, self.prefill_rows), rows)
+        if self.mixed_tokens and tokens > self.mixed_tokens:  # prefill-only: at most prefill_rows rows
+            return [few]
+        return sorted({few, rows})
+
+    def graph_shapes(self) -> list[tuple[int, int, int]]:
+        """(tokens, rows, logit rows) of every graph a step can run: all built before ready."""
+        return [(t, self.rows_for(t), s) for t in self.token_buckets for s in self.logit_rows_for(t)]
 
 
 def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
@@ -106,7 +119,7 @@ class ModelRunner:
         self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
-        self.compiled: set[tuple[int, int]] = set()  # graph shapes built in this process
+        self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
 
     @property
     def graph_compiles(self) -> int:
@@ -114,12 +127,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------ graph call
     def _run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, token_rows: np.ndarray,
-             tables: np.ndarray, logit_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+             tables: np.ndarray, logit_rows: np.ndarray, compile_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         from mindspore import Tensor
 
-        self.compiled.add((tokens.shape[0], tables.shape[0]))
-        logits, lse = self.model(Tensor(tokens), Tensor(positions), Tensor(slots), Tensor(token_rows),
-                                 Tensor(tables), Tensor(logit_rows))
+        self.compiled.add((tokens.shape[0], tables.shape[0], logit_rows.shape[0]))
+        args = [Tensor(a) for a in (tokens, positions, slots, token_rows, tables, logit_rows)]
+        if compile_only:  # build (or load) the graph without running it: 0.2-0.6 s less per graph
+            self.model.compile(*args)
+            return np.empty(0), np.empty(0)
+        logits, lse = self.model(*args)
         return logits.asnumpy(), lse.asnumpy()
 
     def forward(self, v: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +160,7 @@ class ModelRunner:
         token_rows[:n_tokens] = np.repeat(np.arange(n_rows, dtype=np.int32), qlens)
         have = min(self.rc.width, v["block_tables"].shape[1])
         tables[:n_rows, :have] = v["block_tables"][:, :have]
-        logit_rows = np.zeros(r_pad, np.int32)
+        logit_rows = np.zeros(bucket(n_rows, self.rc.logit_rows_for(t_pad)), np.int32)
         logit_rows[:n_rows] = starts + qlens - 1
         logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows)
         return logits[:n_rows], lse[:n_rows]
@@ -197,10 +213,11 @@ class ModelRunner:
         a compile under traffic stalls its step for seconds. Graphs load from the on-disk cache when
         it is warm; none is ever built after this."""
         shapes = self.rc.graph_shapes()
-        for i, (t, r) in enumerate(shapes, 1):
+        for i, (t, r, s) in enumerate(shapes, 1):
             t0 = time.monotonic()
             z = np.zeros(t, np.int32)
             self._run(z, z, z, np.full(t, r - 1, np.int32), np.zeros((r, self.rc.width), np.int32),
-                      np.zeros(r, np.int32))
-            log.info("building graphs %d/%d (%d tokens, %d rows) %.1fs", i, len(shapes), t, r, time.monotonic() - t0)
+                      np.zeros(s, np.int32), compile_only=True)
+            log.info("building graphs %d/%d (%d tokens, %d rows, %d sampled) %.1fs", i, len(shapes), t, r, s,
+                     time.monotonic() - t0)
         freeze_compile_cache()

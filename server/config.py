@@ -41,6 +41,7 @@ class ServingConfig:
     decode_batch_waiting_time: float = 0.0
     max_queue: int = 512  # waiting requests before 503
     max_num_batched_tokens: int = 0  # token budget per step; 0 = largest prefill bucket
+    prefill_only_tokens: int = 0  # budget of a step while nothing decodes (prefill is faster in larger steps); 0 = the same
     schedule_policy: str = "fcfs"  # fcfs | sjf (shortest max_new_tokens first) | priority
     step_timeout_s: float = 120.0  # a step longer than this: the agent is stuck, killed and restarted
     heartbeat_s: float = 5.0  # idle agents are pinged this often (remote agents exit after ~30 s of silence)
@@ -68,15 +69,20 @@ class ServingConfig:
         return self.decode_buckets[-1]
 
     @property
-    def max_step_tokens(self) -> int:
-        """Most tokens in one step: the budget, or one decode per running sequence if that is more."""
+    def prefill_budget(self) -> int:
+        """Token budget of a step while no sequence is decoding."""
+        return max(self.prefill_only_tokens, self.token_budget)
+
+    @property
+    def mixed_step_tokens(self) -> int:
+        """Most tokens in a step with decodes: the budget, or one per running sequence if that is more."""
         return max(self.token_budget, self.max_running)
 
     @property
     def token_buckets(self) -> list[int]:
-        """Padded token counts of a packed step: one graph each, all built before ready."""
-        top = self.max_step_tokens
-        return sorted({b for b in self.decode_buckets + self.prefill_buckets if b < top} | {top})
+        """Padded token counts of a packed step: its graphs are all built before ready."""
+        top = self.mixed_step_tokens
+        return sorted({b for b in self.decode_buckets + self.prefill_buckets if b < top} | {top, self.prefill_budget})
 
     @property
     def max_rows(self) -> int:
@@ -126,7 +132,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.decode_batch_waiting_time = float(sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0.0)))
     for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir"):
         setattr(c, key, sc.get(key, getattr(c, key)))
-    for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "max_agent_restarts",
+    for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
+                "max_agent_restarts",
                 "max_body_bytes"):
         setattr(c, key, int(sc.get(key, getattr(c, key))))
     for key in ("step_timeout_s", "heartbeat_s", "recovery_deadline_s"):

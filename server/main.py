@@ -20,7 +20,7 @@ log = logging.getLogger("llm_serving")
 
 
 def arena_spec(cfg: Any) -> ArenaSpec:
-    return ArenaSpec(cfg.token_budget + cfg.decode_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq)
+    return ArenaSpec(cfg.token_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq)
 
 
 def connect_agent(cfg: Any, index: int, tag: str, timeout_s: float = 600.0) -> AgentClient:

@@ -116,7 +116,10 @@ class Scheduler:
 
     def schedule(self) -> list[Planned]:
         plan: list[Planned] = []
-        budget = self.cfg.token_budget
+        # Prefill runs ~30% faster per token in 512- than in 256-token steps (SmolLM2, 2 cores), but a
+        # larger step delays every decode riding in it: the larger budget only while nothing decodes.
+        decoding = any(seq.remaining == 1 for seq in self.running)
+        budget = self.cfg.token_budget if decoding else self.cfg.prefill_budget
         for seq in list(self.running):  # 1. decodes, oldest first
             if seq in self.running and seq.remaining == 1 and self._reserve(seq, seq.computed + 1, plan):
                 plan.append(Planned(seq, 1, True))

@@ -21,7 +21,7 @@ def make_runner(weights, block_size: int, num_blocks: int = 0, native: bool = Tr
     setup_mindspore()
     num_blocks = num_blocks or 1 + 4 * (-(-128 // block_size)) + 8
     rc = RunnerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=128,
-                      token_buckets=TOKEN_BUCKETS, max_rows=8, native_kernels=native)
+                      token_buckets=TOKEN_BUCKETS, max_rows=16, native_kernels=native)
     runner = ModelRunner(tiny_model_config(), weights, rc)
     assert runner.native_kernels == native  # CI machines have a C++ compiler: the kernels must build
     runner.warmup()
@@ -165,14 +165,16 @@ def test_request_alone_and_in_any_mix_gives_identical_tokens(runner16):
     """The same request run alone, with one other, and inside a mixed batch of prompts of other
     lengths and decodes gives the same greedy tokens; no graph is built after warm-up."""
     alone, _ = PagedDriver(runner16).run([PROMPTS[2]], 12, collect_logits=False)
-    for mix in ([PROMPTS[0], PROMPTS[2]], [PROMPTS[3], PROMPTS[1], PROMPTS[2], list(range(200, 255))]):
+    many = [[i + 1, 2 * i + 3] for i in range(9)] + [PROMPTS[2]]  # 10 rows: all-rows LM head graph
+    for mix in ([PROMPTS[0], PROMPTS[2]], [PROMPTS[3], PROMPTS[1], PROMPTS[2], list(range(200, 255))], many):
         got, _ = PagedDriver(runner16).run(mix, 12, collect_logits=False)
         assert got[mix.index(PROMPTS[2])] == alone[0]
     assert runner16.graph_compiles == len(runner16.rc.graph_shapes())
 
 
-def test_graph_set_is_one_graph_per_token_bucket():
+def test_graph_set_is_two_graphs_per_large_token_bucket():
     rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, token_buckets=[128, 1, 16, 256, 64],
                       max_rows=64)
-    assert rc.graph_shapes() == [(1, 1), (16, 16), (64, 64), (128, 64), (256, 64)]
+    assert rc.graph_shapes() == [(1, 1, 1),
+        (16, 16, 8), (16, 16, 16), (64, 64, 8), (64, 64, 64), (128, 64, 8), (128, 64, 64), (256, 64, 8), (256, 64, 64)]
     assert rc.width == 64

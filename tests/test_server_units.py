@@ -107,23 +107,40 @@ def _cfg(**kw) -> ServingConfig:
 
 def test_scheduler_chunks_long_prompts_and_puts_decodes_first():
     s = Scheduler(_cfg(max_num_batched_tokens=10))
-    a = Sequence(list(range(20)), SamplingParams(), 0.0)
+    a = Sequence(list(range(16)), SamplingParams(), 0.0)
     s.add(a)
     plan = s.schedule()
-    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 8, False)]  # chunk = largest bucket
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 10, False)]  # chunk = the budget
     s.step_done(plan)
     b = Sequence([1, 2, 3], SamplingParams(), 1.0)
     s.add(b)
     plan = s.schedule()
-    assert [(p.n_tokens, p.sample) for p in plan] == [(8, False), (2, False)]  # budget 10 splits b
-    s.step_done(plan)
-    plan = s.schedule()
-    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(b, 1, True), (a, 4, True)]  # 1-token rows first
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 6, True), (b, 3, True)]  # packed together
     s.step_done(plan)
     a.output.append(7)
     b.output.append(9)
+    c = Sequence(list(range(100, 120)), SamplingParams(), 2.0)
+    s.add(c)
     plan = s.schedule()
-    assert all(p.n_tokens == 1 for p in plan) and len(plan) == 2
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 1, True), (b, 1, True), (c, 8, False)]
+
+
+def test_scheduler_uses_the_prefill_only_budget_while_nothing_decodes():
+    s = Scheduler(ServingConfig(num_blocks=20, block_size=4, max_model_len=32, decode_buckets=[1, 4],
+                                max_num_batched_tokens=10, prefill_only_tokens=20).validate())
+    a = Sequence(list(range(30)), SamplingParams(), 0.0)
+    s.add(a)
+    plan = s.schedule()
+    assert [(p.n_tokens, p.sample) for p in plan] == [(20, False)]
+    s.step_done(plan)
+    plan = s.schedule()
+    assert [(p.n_tokens, p.sample) for p in plan] == [(10, True)]
+    s.step_done(plan)
+    a.output.append(5)
+    b = Sequence(list(range(100, 130)), SamplingParams(), 1.0)
+    s.add(b)
+    plan = s.schedule()  # a decodes now: the mixed budget
+    assert [(p.seq, p.n_tokens) for p in plan] == [(a, 1), (b, 9)]
 
 
 def test_scheduler_preempts_newest_when_blocks_run_out():

@@ -159,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     bs = 16
     per_seq = max_len // bs
     rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
-                      decode_buckets=sorted(set(batches)), prefill_buckets=[args.prefill], max_prefill_rows=1,
-                      context_buckets=[args.context + 1])
+                      token_buckets=batches + [args.prefill], max_rows=max(batches))
     runner = ModelRunner(cfg, weights, rc)
     arena = Arena.private(ArenaSpec(max(batches) + args.prefill, max(batches), per_seq))
     greedy = SamplingParams()
