@@ -28,7 +28,6 @@ class ServingConfig:
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
-    context_buckets: list[int] = field(default_factory=list)  # zactivate_len; empty = powers of two
     pad_token_id: int = 0
     batching_strategy: str = "continuous"
     # serving_config
@@ -124,7 +123,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.prefill_buckets = _as_list(mc.get("seq_length"), c.prefill_buckets)
     c.decode_buckets = _as_list(mc.get("decode_batch_size"), c.decode_buckets)
     c.max_prefill_rows = max(_as_list(mc.get("prefill_batch_size"), [c.max_prefill_rows]))
-    c.context_buckets = _as_list(mc.get("zactivate_len"), [])
+    # zactivate_len (the original's attention-width buckets) is accepted and unused: no graph depends on context length.
     c.pad_token_id = int(mc.get("pad_token_id", c.pad_token_id))
     c.batching_strategy = mc.get("batching_strategy", c.batching_strategy)
     # The original ignored these two when set under model_config; we honour both places.

@@ -46,13 +46,21 @@ _WORDS = ("time person year way day thing man world life hand part child eye wom
           "point government company number group problem fact").split()
 
 
-def random_dataset(n: int, input_len: int, output_len: int, seed: int, prefix_len: int = 0) -> list[BenchRequest]:
+def random_dataset(n: int, input_len: int, output_len: int, seed: int, prefix_len: int = 0,
+                   range_ratio: float = 0.0) -> list[BenchRequest]:
+    """Random-word prompts; with range_ratio R each prompt and output length is drawn uniformly
+    from [L(1-R), L(1+R)] (as `vllm bench serve --random-range-ratio`)."""
     rng = random.Random(seed)
     prefix = " ".join(rng.choice(_WORDS) for _ in range(prefix_len))
+
+    def draw(length: int) -> int:
+        return max(1, rng.randint(int(length * (1 - range_ratio)), int(length * (1 + range_ratio))))
+
     out = []
     for _ in range(n):
-        body = " ".join(rng.choice(_WORDS) for _ in range(input_len - prefix_len))
-        out.append(BenchRequest((prefix + " " + body).strip(), input_len, output_len))
+        n_in, n_out = draw(input_len), draw(output_len)
+        body = " ".join(rng.choice(_WORDS) for _ in range(max(0, n_in - prefix_len)))
+        out.append(BenchRequest((prefix + " " + body).strip(), n_in, n_out))
     return out
 
 
@@ -239,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128, help="words per random prompt")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prefix-len", type=int, default=64, help="shared words for --dataset shared-prefix")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="lengths drawn from [L(1-R), L(1+R)] for prompts and outputs (random datasets)")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     ap.add_argument("--max-concurrency", type=int)
@@ -253,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         reqs = alpaca_dataset(args.dataset_path, args.num_prompts, args.seed)
     else:
         prefix = args.prefix_len if args.dataset == "shared-prefix" else 0
-        reqs = random_dataset(args.num_prompts, args.input_len, args.output_len, args.seed, prefix)
+        if not 0 <= args.random_range_ratio < 1:
+            ap.error("--random-range-ratio must be in [0, 1)")
+        reqs = random_dataset(args.num_prompts, args.input_len, args.output_len, args.seed, prefix,
+                              args.random_range_ratio)
 
     rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
     summaries = []

