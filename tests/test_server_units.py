@@ -189,3 +189,15 @@ def test_write_step_lays_out_rows_and_slots():
     assert f["output_len"][:3].tolist() == [0, 7, 0] and f["seed"][:3].tolist() == [11, -1, -1]
     assert np.allclose(f["temperature"][:2], [0.7, SamplingParams().temperature])
     assert f["top_k"][0] == 5 and f["n_logprobs"][0] == 2
+
+
+def test_bench_random_range_ratio_draws_lengths_in_range():
+    from tools.bench_serving import random_dataset
+
+    reqs = random_dataset(200, 200, 128, seed=3, range_ratio=0.9)
+    ins, outs = [r.prompt_len for r in reqs], [r.max_tokens for r in reqs]
+    assert min(ins) >= 20 and max(ins) <= 380 and min(outs) >= 12 and max(outs) <= 243
+    assert max(ins) - min(ins) > 250 and max(outs) - min(outs) > 150  # really spread
+    assert all(len(r.prompt.split()) == r.prompt_len for r in reqs)
+    fixed = random_dataset(5, 128, 128, seed=1)
+    assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(128, 128)}

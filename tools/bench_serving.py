@@ -54,7 +54,7 @@ def random_dataset(n: int, input_len: int, output_len: int, seed: int, prefix_le
     prefix = " ".join(rng.choice(_WORDS) for _ in range(prefix_len))
 
     def draw(length: int) -> int:
-        return max(1, rng.randint(int(length * (1 - range_ratio)), int(length * (1 + range_ratio))))
+        return max(1, rng.randint(round(length * (1 - range_ratio)), round(length * (1 + range_ratio))))
 
     out = []
     for _ in range(n):
