@@ -98,9 +98,11 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                # Sleep on the inbox whenever nothing is in flight: no busy-spin, even with work
-                # that cannot run (all agents recovering).
-                self._drain_inbox(block=not any(lane.busy for lane in self.lanes))
+                # Sleep on the inbox only when nothing is in flight and no live agent has work (no
+                # busy-spin while all agents recover). A live lane with sequences always gets a
+                # non-empty plan (scheduler liveness). Sleeping after every step's reply cost
+                # IDLE_WAIT_S between steps: 200 ms gaps, a third of an all-at-once run.
+                self._drain_inbox(block=not any(lane.busy or (lane.live and lane.sched.load) for lane in self.lanes))
                 now = time.monotonic()
                 for lane in self.lanes:
                     if lane.live and not lane.busy:

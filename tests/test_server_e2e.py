@@ -278,3 +278,8 @@ def test_no_graph_is_built_after_ready(server):
         t.join(240)
     assert not errors, errors
     assert _graph_compiles(server.url) == before
+    # The engine launches the next step as soon as a reply is in: it slept 200 ms on its inbox
+    # between steps (a third of an all-at-once benchmark).
+    steps = httpx.get(f"{server.url}/debug/trace", timeout=30).json()["traceEvents"][-60:]
+    gaps = sorted(b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(steps, steps[1:]))
+    assert gaps[len(gaps) // 2] < 50e3, gaps  # microseconds
