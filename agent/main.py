@@ -15,9 +15,12 @@ from typing import Any
 import numpy as np
 import zmq
 
+from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
-from shm.transport import _pid_alive, load_step_frames
+from shm.endpoint import PortInUse, PortLock, agent_address
+from shm.step import StepDims, StepView
+from shm.transport import load_step_frames
 
 log = logging.getLogger("llm_serving.agent")
 IDLE_POLL_MS = 500
@@ -30,13 +33,24 @@ class RuntimeFailure(RuntimeError):
     the previous step"), so the agent replies, exits, and is restarted by its supervisor."""
 
 
+class CommandError(RuntimeError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class AgentServer:
-    def __init__(self, address: str, runner: Any, info: dict[str, Any]):
-        self.address, self.runner, self.info = address, runner, info
+    """Serves one server at a time: `#` attaches it (bound to its ZeroMQ routing id), `e` or its
+    death detaches it, `r` detaches whoever is attached. The agent itself runs until SIGTERM, until
+    the process that launched it (`owner_pid`) is gone, or after a fatal step."""
+
+    def __init__(self, address: str, runner: Any, info: dict[str, Any], owner_pid: int | None = None):
+        self.address, self.runner, self.info, self.owner_pid = address, runner, info, owner_pid
         self.arena: Arena | None = None
         self.segment: Segment | None = None
+        self.peer: bytes | None = None  # routing id of the attached server
         self.server_pid: int | None = None
-        self.last_msg = time.monotonic()
+        self.last_msg = time.monotonic()  # from the attached server
         self.exiting = False
         self.failed = False  # exited after a RuntimeFailure
 
@@ -44,112 +58,135 @@ class AgentServer:
     def _attached_to_live_server(self) -> bool:
         if self.arena is None:
             return False
-        if self.server_pid is not None and self.segment is not None:
-            return _pid_alive(self.server_pid)
+        if self.segment is not None:  # a local server: its pid says
+            return self.server_pid is not None and pid_alive(self.server_pid)
         return time.monotonic() - self.last_msg < REMOTE_IDLE_TIMEOUT_S
 
-    def _detach(self) -> None:
+    def _detach(self, server_dead: bool = False) -> None:
+        """Forget the attached server; a dead local server's arena segment is unlinked too (nobody
+        else would: its creator is gone)."""
+        if self.arena is not None:
+            log.info("server pid %s detached", self.server_pid)
         self.arena = None
         if self.segment is not None:
             self.segment.close()
+            if server_dead:
+                self.segment.path.unlink(missing_ok=True)
             self.segment = None
-        self.server_pid = None
+        self.peer = self.server_pid = None
         self.runner.reset()
 
-    def _attach(self, h: dict[str, Any]) -> dict[str, Any]:
-        if self._attached_to_live_server() and h["server_pid"] != self.server_pid:
-            raise RuntimeError("already connected to another server")
-        self._detach()
+    def _check_identity(self, h: dict[str, Any]) -> None:
+        for key, names in (("geometry", P.GEOMETRY_KEYS), ("model", P.MODEL_KEYS)):
+            for name in names:
+                ours, theirs = self.info[key][name], h[key][name]
+                if name != "name" and ours != theirs:
+                    raise CommandError(P.E_MISMATCH, f"{key} mismatch: server has {name}={theirs!r}, agent has "
+                                                     f"{name}={ours!r} (start both from the same YAML and model)")
+
+    def _attach(self, peer: bytes, h: dict[str, Any]) -> dict[str, Any]:
+        if self._attached_to_live_server() and peer != self.peer:
+            raise CommandError(P.E_BUSY, f"attached to server pid {self.server_pid}; send r to take the agent over")
+        self._check_identity(h)
+        self._detach(server_dead=self.segment is not None and not self._attached_to_live_server())
         spec = ArenaSpec.from_wire(h["spec"])
         if h["arena"]:
             self.segment = Segment(h["arena"])
             self.arena = Arena(spec, self.segment.buf)
         else:
             self.arena = Arena.private(spec)
-        self.server_pid = h["server_pid"]
-        return {**self.info, "pid": os.getpid(), "graph_compiles": self.runner.graph_compiles}
+        self.peer, self.server_pid, self.last_msg = peer, h["server_pid"], time.monotonic()
+        log.info("server pid %d attached", self.server_pid)
+        return self._status()
+
+    def _status(self) -> dict[str, Any]:
+        return {**self.info, "pid": os.getpid(), "attached": self.arena is not None, "server_pid": self.server_pid,
+                "graph_compiles": self.runner.graph_compiles, "protocol": P.VERSION}
 
     # ------------------------------------------------------------ commands
-    def _step(self, msg: P.Message) -> tuple[dict[str, Any], list[bytes]]:
-        if self.arena is None:
-            raise RuntimeError("step before handshake")
-        h, spec = msg.header, self.arena.spec
-        n_tokens, n_rows, width = h["n_tokens"], h["n_rows"], h["width"]
-        if n_tokens > spec.max_tokens or n_rows > spec.max_rows or width > spec.max_blocks:
-            raise ValueError(f"step ({n_tokens} tokens, {n_rows} rows, width {width}) exceeds the arena")
-        if self.segment is None:
-            load_step_frames(self.arena, msg)
-        v = self.arena.views(n_tokens, n_rows, width)
-        self._check_ranges(v)
+    def _step(self, peer: bytes, msg: P.Message) -> tuple[dict[str, Any], list[bytes]]:
+        if self.arena is None or peer != self.peer:
+            raise CommandError(P.E_NOT_ATTACHED, "step from a server that is not attached (send # first)")
+        h = msg.header
+        dims = StepDims(h["n_tokens"], h["n_rows"], h["width"])
+        if not self.arena.spec.fits(dims):
+            raise CommandError(P.E_BAD_STEP, f"step {dims} exceeds the arena {self.arena.spec}")
+        try:
+            if self.segment is None:
+                load_step_frames(self.arena, msg)
+            v = self.arena.step(dims)
+            self._check_ranges(v)
+            self.runner.graph_for(v.inputs)
+        except ValueError as exc:
+            raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
             model_s = self.runner.step(v, h["free"])
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
-        frames = [] if self.segment is not None else self.arena.output_frames(n_rows)
+        frames = [] if self.segment is not None else self.arena.output_frames(dims.n_rows)
         return {"model_s": model_s, "graph_compiles": self.runner.graph_compiles}, frames
 
-    def _check_ranges(self, v: dict[str, np.ndarray]) -> None:
-        rc, vocab = self.runner.rc, self.runner.cfg.vocab_size
-        checks = (("tokens", vocab), ("slots", rc.num_blocks * rc.block_size),
-                  ("block_tables", rc.num_blocks), ("positions", rc.max_model_len))
-        for name, bound in checks:
-            a = v[name]
+    def _check_ranges(self, v: StepView) -> None:
+        rc, vocab, x = self.runner.rc, self.runner.cfg.vocab_size, v.inputs
+        checks = (("tokens", x.tokens, vocab), ("slots", x.slots, rc.num_blocks * rc.block_size),
+                  ("block_tables", x.block_tables, rc.num_blocks), ("positions", x.positions, rc.max_model_len))
+        for name, a, bound in checks:
             if a.size and (a.min() < 0 or a.max() >= bound):
                 raise ValueError(f"{name} out of range [0, {bound})")
-        if np.any(v["n_logprobs"] > v["out_top_ids"].shape[1]):
+        if np.any(v.sampling.n_logprobs > v.outputs.top_ids.shape[1]):
             raise ValueError("n_logprobs above the maximum")
 
-    def handle(self, parts: list[bytes]) -> list[bytes]:
-        """Never raises: malformed input or a failed step becomes an error reply."""
+    def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
+        """Never raises: malformed input or a failed command becomes an error reply."""
         try:
             msg = P.decode(parts)
         except P.ProtocolError as exc:
-            return P.encode_reply(False, {"error": f"protocol: {exc}", "id": None})
+            return P.error_reply(P.E_PROTOCOL, f"protocol: {exc}", None)
         mid = msg.header.get("id")
+        if peer == self.peer:
+            self.last_msg = time.monotonic()
         try:
             frames: list[bytes] = []
             if msg.cmd == P.HANDSHAKE:
-                body = self._attach(msg.header)
+                body = self._attach(peer, msg.header)
             elif msg.cmd in P.STEP_COMMANDS:
-                body, frames = self._step(msg)
-            elif msg.cmd == P.RESET:
-                self.runner.reset()
+                body, frames = self._step(peer, msg)
+            elif msg.cmd == P.RESET or (msg.cmd == P.DETACH and peer == self.peer):
+                self._detach()
                 body = {}
-            elif msg.cmd == P.EXIT:
-                self.exiting = True
+            elif msg.cmd == P.DETACH:  # from a server that is not attached: nothing to do
                 body = {}
             else:  # heartbeat
-                body = {"pid": os.getpid(), "attached": self.arena is not None,
-                        "graph_compiles": self.runner.graph_compiles}
+                body = self._status()
             return P.encode_reply(True, {**body, "id": mid}, frames)
+        except CommandError as exc:
+            log.warning("command %r refused: %s", msg.cmd, exc)
+            return P.error_reply(exc.code, str(exc), mid)
         except RuntimeFailure as exc:
             log.error("model step failed; exiting for a restart: %s", exc)
             self.exiting = self.failed = True
-            return P.encode_reply(False, {"error": str(exc), "fatal": True, "id": mid})
+            return P.error_reply(P.E_FATAL, str(exc), mid)
         except Exception as exc:  # the agent keeps serving; the server decides what fails
             log.warning("command %r failed: %s", msg.cmd, exc)
             log.debug("%s", traceback.format_exc())
-            return P.encode_reply(False, {"error": f"{type(exc).__name__}: {exc}", "id": mid})
+            return P.error_reply(P.E_FAILED, f"{type(exc).__name__}: {exc}", mid)
 
     def serve(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.address.startswith("ipc://"):
-            path = self.address[len("ipc://"):]
-            if os.path.exists(path):
-                os.unlink(path)  # left behind by a killed agent
         sock.bind(self.address)
         log.info("agent ready on %s", self.address)
         try:
             while not self.exiting:
                 if sock.poll(IDLE_POLL_MS):  # blocks: no busy-spin while idle
-                    ident, *parts = sock.recv_multipart()
-                    self.last_msg = time.monotonic()
-                    sock.send_multipart([ident, *self.handle(parts)])
-                elif self.arena is not None and not self._attached_to_live_server():
-                    log.info("server went away; exiting")
+                    peer, *parts = sock.recv_multipart()
+                    sock.send_multipart([peer, *self.handle(peer, parts)])
+                elif self.owner_pid and not pid_alive(self.owner_pid):
+                    log.info("launcher pid %d is gone; exiting", self.owner_pid)
                     break
+                elif self.arena is not None and not self._attached_to_live_server():
+                    log.info("server pid %s went away without detaching", self.server_pid)
+                    self._detach(server_dead=True)
         finally:
             self._detach()
             sock.close(0)
@@ -174,23 +211,37 @@ def _exit_once(*_: Any) -> None:
     sys.exit(0)
 
 
-def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]) -> None:
-    """Spawn target: load the model for device `start_device_id + index`, then serve."""
+def agent_process(config_path: str | None, index: int, overrides: dict[str, Any], owner_pid: int | None = None) -> None:
+    """Spawn target: take the port, load the model for device `start_device_id + index`, then serve
+    until SIGTERM or until `owner_pid` (the launcher) is gone."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG", "INFO"),
                         format=f"%(asctime)s agent{index} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_once)
-    from server.config import load_config
+    from common.config import load_config
 
     cfg = load_config(config_path, **overrides)
+    port = cfg.agent_ports[index]
+    try:  # before the model loads: a second agent on a busy port fails in a moment
+        lock = PortLock(port)
+    except PortInUse as exc:
+        log.error("%s", exc)
+        sys.exit(4)
+    try:
+        _serve(cfg, index, owner_pid)
+    finally:
+        lock.release()
+
+
+def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
     from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
     from agent.weights import load_model
-    from server.model_files import resolve_model
-    from shm.transport import agent_address
+    from common.model_files import model_identity, resolve_model
 
     t0 = time.monotonic()
-    model_cfg, weights = load_model(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.max_model_len)
+    files = resolve_model(cfg.model_path, cfg.model_cfg_path)
+    model_cfg, weights = load_model(files, cfg.max_model_len)
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                       token_buckets=cfg.token_buckets, max_rows=cfg.max_running,
                       mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows)
@@ -202,10 +253,9 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
         runner.warmup()
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
-            "max_model_len": rc.max_model_len, "num_blocks": rc.num_blocks, "block_size": rc.block_size,
+            "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
             "device_id": cfg.start_device_id + index}
-    server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info)
+    server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info, owner_pid)
     server.serve()
     if server.failed:
         sys.exit(3)
-

@@ -17,7 +17,8 @@ import numpy as np
 
 from agent import native
 from agent.model import LlamaConfig, LlamaModel
-from agent.sampling import SamplingRows, needs_penalty, sample
+from agent.sampling import needs_penalty, sample
+from shm.step import SamplingColumns, StepInputs, StepView
 
 log = logging.getLogger("llm_serving.agent")
 FEW_LOGIT_ROWS = 8  # a prefill-only step's chunks (prefill_batch_size, 4 by default) and a few decodes
@@ -138,32 +139,39 @@ class ModelRunner:
         logits, lse = self.model(*args)
         return logits.asnumpy(), lse.asnumpy()
 
-    def forward(self, v: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """Logits [R, vocab] and log-sum-exp [R] at the last query token of every row, from one
         graph call over the packed tokens of all rows."""
-        qlens = v["query_lens"]
-        n_rows, n_tokens = qlens.shape[0], v["tokens"].shape[0]
+        qlens = x.query_lens
+        n_rows, n_tokens = qlens.shape[0], x.tokens.shape[0]
         starts = self._starts(qlens, n_tokens)
-        t_pad = bucket(n_tokens, self.rc.token_buckets)
-        r_pad = self.rc.rows_for(t_pad)
-        if n_rows > r_pad:
-            raise ValueError(f"{n_rows} rows exceed the {r_pad} of a {t_pad}-token step")
+        t_pad, r_pad = self.graph_for(x)
         tokens = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slots = np.zeros(t_pad, np.int32)  # padding writes into reserved block 0
         # Padding tokens get a row of their own when there is one (an all-zero table: slot 0).
         token_rows = np.full(t_pad, min(n_rows, r_pad - 1), np.int32)
         tables = np.zeros((r_pad, self.rc.width), np.int32)
-        tokens[:n_tokens] = v["tokens"]
-        positions[:n_tokens] = v["positions"]
-        slots[:n_tokens] = v["slots"]
+        tokens[:n_tokens] = x.tokens
+        positions[:n_tokens] = x.positions
+        slots[:n_tokens] = x.slots
         token_rows[:n_tokens] = np.repeat(np.arange(n_rows, dtype=np.int32), qlens)
-        have = min(self.rc.width, v["block_tables"].shape[1])
-        tables[:n_rows, :have] = v["block_tables"][:, :have]
+        have = min(self.rc.width, x.block_tables.shape[1])
+        tables[:n_rows, :have] = x.block_tables[:, :have]
         logit_rows = np.zeros(bucket(n_rows, self.rc.logit_rows_for(t_pad)), np.int32)
         logit_rows[:n_rows] = starts + qlens - 1
         logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows)
         return logits[:n_rows], lse[:n_rows]
+
+    def graph_for(self, x: StepInputs) -> tuple[int, int]:
+        """(tokens, rows) of the graph that runs this step; ValueError if none can (checked before
+        the model runs, so a bad step is refused without touching the runtime)."""
+        self._starts(x.query_lens, x.tokens.shape[0])
+        t_pad = bucket(x.tokens.shape[0], self.rc.token_buckets)
+        r_pad = self.rc.rows_for(t_pad)
+        if x.query_lens.shape[0] > r_pad:
+            raise ValueError(f"{x.query_lens.shape[0]} rows exceed the {r_pad} of a {t_pad}-token step")
+        return t_pad, r_pad
 
     @staticmethod
     def _starts(qlens: np.ndarray, n_tokens: int) -> np.ndarray:
@@ -171,35 +179,35 @@ class ModelRunner:
             raise ValueError("query_lens must be positive and sum to n_tokens")
         return (np.cumsum(qlens) - qlens).astype(np.int64)
 
-    def step(self, v: dict[str, np.ndarray], free: list[int]) -> float:
-        """Run one step described by arena views `v`; writes out_* fields. Returns model seconds."""
+    def step(self, v: StepView, free: list[int]) -> float:
+        """Run one step described by arena views `v`; writes its outputs. Returns model seconds."""
         for seq in free:
             self.histories.pop(seq, None)
-        self._track_histories(v, self._starts(v["query_lens"], v["tokens"].shape[0]))
+        x = v.inputs
+        self._track_histories(x, v.sampling, self._starts(x.query_lens, x.tokens.shape[0]))
         t0 = time.perf_counter()
-        logits, lse = self.forward(v)
+        logits, lse = self.forward(x)
         elapsed = time.perf_counter() - t0
-        sampled = np.nonzero(v["sample"])[0]
+        sampled = np.nonzero(x.sample)[0]
         if sampled.size:
-            params = SamplingRows(**{f: v[f][sampled] for f in SamplingRows.__dataclass_fields__})
-            hist = [self._history(int(v["seq_ids"][r])) for r in sampled]
-            res = sample(logits[sampled], lse[sampled], params, hist, self.rng)
-            v["out_ids"][sampled] = res.ids
-            v["out_logprobs"][sampled] = res.logprobs
+            hist = [self._history(int(x.seq_ids[r])) for r in sampled]
+            res = sample(logits[sampled], lse[sampled], v.sampling.take(sampled), hist, self.rng)
+            out = v.outputs
+            out.ids[sampled] = res.ids
+            out.logprobs[sampled] = res.logprobs
             n = res.top_ids.shape[1]
-            v["out_top_ids"][sampled, :n] = res.top_ids
-            v["out_top_logprobs"][sampled, :n] = res.top_logprobs
+            out.top_ids[sampled, :n] = res.top_ids
+            out.top_logprobs[sampled, :n] = res.top_logprobs
         return elapsed
 
-    def _track_histories(self, v: dict[str, np.ndarray], starts: np.ndarray) -> None:
+    def _track_histories(self, x: StepInputs, cols: SamplingColumns, starts: np.ndarray) -> None:
         """Penalties need every token a sequence has fed; a chunk starting at position 0 restarts it."""
-        pen = SamplingRows(**{f: v[f] for f in SamplingRows.__dataclass_fields__})
-        for r in np.nonzero(needs_penalty(pen))[0]:
-            s, q = starts[r], v["query_lens"][r]
-            seq = int(v["seq_ids"][r])
-            if v["positions"][s] == 0:
+        for r in np.nonzero(needs_penalty(cols))[0]:
+            s, q = starts[r], x.query_lens[r]
+            seq = int(x.seq_ids[r])
+            if x.positions[s] == 0:
                 self.histories[seq] = []
-            self.histories.setdefault(seq, []).extend(v["tokens"][s:s + q].tolist())
+            self.histories.setdefault(seq, []).extend(x.tokens[s:s + q].tolist())
 
     def _history(self, seq: int) -> np.ndarray | None:
         h = self.histories.get(seq)

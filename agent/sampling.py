@@ -9,25 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shm.step import SamplingColumns
+
 TOP_P_CANDIDATES = 256
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): 1/T would overflow
 LOGIT_BOUND = 1e30  # penalised logits are clipped here, so no accepted penalty makes inf or NaN
-
-
-@dataclass
-class SamplingRows:
-    """Sampling parameters of R rows (views into the step arena)."""
-    temperature: np.ndarray  # float32 [R]; 0 = greedy
-    top_k: np.ndarray  # int32 [R]; 0 = off
-    top_p: np.ndarray  # float32 [R]; 1 = off
-    min_p: np.ndarray  # float32 [R]; 0 = off
-    repetition_penalty: np.ndarray  # float32 [R]; 1 = off
-    presence_penalty: np.ndarray  # float32 [R]
-    frequency_penalty: np.ndarray  # float32 [R]
-    seed: np.ndarray  # int64 [R]; -1 = unseeded
-    n_logprobs: np.ndarray  # int32 [R]
-    prompt_len: np.ndarray  # int32 [R]
-    output_len: np.ndarray  # int32 [R]; tokens generated so far (seeds the per-step RNG)
 
 
 @dataclass
@@ -38,7 +24,7 @@ class SampleResult:
     top_logprobs: np.ndarray  # float32 [R, n]
 
 
-def needs_penalty(p: SamplingRows) -> np.ndarray:
+def needs_penalty(p: SamplingColumns) -> np.ndarray:
     return (p.repetition_penalty != 1.0) | (p.presence_penalty != 0.0) | (p.frequency_penalty != 0.0)
 
 
@@ -92,7 +78,7 @@ def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     return int(ids[rng.choice(ids.size, p=p)])
 
 
-def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingRows, histories: list[np.ndarray | None],
+def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histories: list[np.ndarray | None],
            rng: np.random.Generator) -> SampleResult:
     """logits [R, V] float32 (modified in place by penalties), lse [R] its log-sum-exp per row.
 

@@ -9,7 +9,7 @@ import numpy as np
 import yaml
 
 from agent.model import LlamaConfig
-from server.model_files import ModelFiles
+from common.model_files import ModelFiles
 
 Weights = dict[str, np.ndarray]
 

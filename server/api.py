@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.engine import Delta, Engine, QueueFull, Request, Sink
 from server.params import openai_params, parse_json, tgi_params, to_bool
 from server.sampling_params import InvalidRequest, SamplingParams

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.detok import IncrementalDetokenizer
 from server.lane import AgentLane, LaneState
 from server.metrics import Metrics
@@ -22,6 +22,7 @@ from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
 from server.supervisor import Restart, Supervisor
 from server.tokenizer import TextTokenizer
+from shm.step import read_row
 from shm.transport import AgentClient, AgentDead, AgentError
 
 __all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
@@ -77,7 +78,7 @@ class Engine:
         self.inbox.put(("wake", None))
         self.thread.join(timeout=10)
         for lane in self.lanes:
-            lane.client.close(send_exit=True)
+            lane.client.close(detach=True)
 
     def health(self) -> tuple[str, str]:
         """("ok" | "recovering" | "unhealthy", reason)."""
@@ -211,23 +212,21 @@ class Engine:
         self.step_count += 1
         self.step_wall_s += now - lane.sent_at
         self.steps.append({"agent": lane.index, "kind": kind, "start": lane.sent_at, "end": now, "rows": len(plan),
-                           "tokens": sum(p.n_tokens for p in plan), "model_s": body.get("model_s", 0.0)})
+                           "n_tokens": sum(p.n_tokens for p in plan), "model_s": body.get("model_s", 0.0)})
         del self.steps[:-2000]
         self.metrics.graph_compiles.inc(lane.new_compiles(body))
         lane.sched.step_done(plan)
-        f = lane.client.arena.fields
+        outputs = lane.client.arena.full.outputs
         for i, p in enumerate(plan):
             req = p.seq.request
             if p.seq.aborted:
                 self._end(req, "cancelled")
             elif p.sample:
-                token = int(f["out_ids"][i])
-                if token < 0:  # this row's sampling failed on the agent; its neighbours went on
+                row = read_row(outputs, i, p.seq.params.logprobs)
+                if row.token < 0:  # this row's sampling failed on the agent; its neighbours went on
                     self._end(req, "error", "sampling failed: the model's probabilities were not finite")
                     continue
-                n_top = p.seq.params.logprobs
-                top = list(zip(f["out_top_ids"][i, :n_top].tolist(), f["out_top_logprobs"][i, :n_top].tolist()))
-                reason = self.out.token(req, token, float(f["out_logprobs"][i]), top, now)
+                reason = self.out.token(req, row.token, row.logprob, row.top, now)
                 if reason:
                     self._end(req, reason)
 
@@ -292,7 +291,7 @@ class Engine:
     def chrome_trace(self) -> dict[str, Any]:
         """Recent steps as a Chrome trace (chrome://tracing, Perfetto)."""
         t0 = self.steps[0]["start"] if self.steps else 0.0
-        events = [{"name": f"{s['kind']} r={s['rows']} t={s['tokens']}", "ph": "X", "pid": 1, "tid": s["agent"],
+        events = [{"name": f"{s['kind']} r={s['rows']} t={s['n_tokens']}", "ph": "X", "pid": 1, "tid": s["agent"],
                    "ts": (s["start"] - t0) * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
                    "args": {"model_ms": round(s["model_s"] * 1e3, 3)}} for s in self.steps]
         return {"traceEvents": events}

@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.scheduler import Planned, Scheduler, Sequence
-from server.step_writer import RowInput, write_step
+from shm.step import RowInput
 from shm.transport import AgentClient
 
 
@@ -52,8 +52,8 @@ class AgentLane:
                 for p in plan]
         has_prefill = any(p.n_tokens > 1 or p.seq.computed < len(p.seq.prompt) for p in plan)
         self.inflight = plan  # before sending: a dead agent's step is recomputed elsewhere
-        dims = write_step(self.client.arena, rows, self.cfg.block_size)
-        self.client.send_step(*dims, free=self.pending_free, has_prefill=has_prefill)
+        dims = self.client.arena.write_step(rows, self.cfg.block_size)
+        self.client.send_step(dims, free=self.pending_free, has_prefill=has_prefill)
         self.pending_free = []
         self.sent_at = time.monotonic()
 
@@ -82,7 +82,7 @@ class AgentLane:
         seqs = self.sched.drain()
         self.sched = Scheduler(self.cfg)
         self.client.kill()
-        self.client.close(send_exit=False)
+        self.client.close(detach=False)
         self.state, self.down_since, self.why = LaneState.RECOVERING, now, why
         return plan, seqs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shm.arena import MAX_TOP_LOGPROBS
+from shm.step import MAX_TOP_LOGPROBS
 
 
 INT32_MAX = 2**31 - 1

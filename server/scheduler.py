@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.block_manager import BlockManager
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.sampling_params import SamplingParams
 
 _ids = itertools.count(1)

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.lane import AgentLane, LaneState
 from server.metrics import Metrics
 from server.scheduler import Planned, Sequence
@@ -56,7 +56,7 @@ class Supervisor:
         lane = self.lanes[index]
         if client is not None:
             if self.stop.is_set():
-                client.close(send_exit=True)
+                client.close(detach=True)
             else:
                 log.warning("agent %d is back after %.1fs", index, time.monotonic() - lane.down_since)
                 self.metrics.agent_restarts.inc()

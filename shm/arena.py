@@ -2,7 +2,7 @@
 
 The server writes a step's inputs, the agent writes the sampled outputs back. The layout is fixed by
 three capacities (tokens, rows, blocks per row) that travel in the handshake, so both sides compute
-identical offsets. Only this module knows the layout.
+identical offsets from the field declarations of shm/step.py.
 """
 from __future__ import annotations
 
@@ -14,38 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from common.procs import pid_alive
+from shm.step import (INPUT_SECTIONS, MAX_TOP_LOGPROBS, SECTIONS, RowInput, StepDims, StepOutputs, StepView,
+                      all_fields, field_specs, step_dims, write_rows)
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "llmserving"
-MAX_TOP_LOGPROBS = 20
-
-# (name, dtype, dims) where dims uses "T" tokens, "R" rows, "W" blocks per row, "N" top logprobs.
-INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("tokens", "int32", ("T",)),
-    ("positions", "int32", ("T",)),
-    ("slots", "int32", ("T",)),
-    ("query_lens", "int32", ("R",)),
-    ("block_tables", "int32", ("R", "W")),
-    ("seq_ids", "int64", ("R",)),
-    ("sample", "int32", ("R",)),  # 1: the row's last token is sampled (decode, or a prompt's last chunk)
-    ("prompt_len", "int32", ("R",)),
-    ("output_len", "int32", ("R",)),
-    ("temperature", "float32", ("R",)),
-    ("top_k", "int32", ("R",)),
-    ("top_p", "float32", ("R",)),
-    ("min_p", "float32", ("R",)),
-    ("repetition_penalty", "float32", ("R",)),
-    ("presence_penalty", "float32", ("R",)),
-    ("frequency_penalty", "float32", ("R",)),
-    ("seed", "int64", ("R",)),
-    ("n_logprobs", "int32", ("R",)),
-)
-OUTPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("out_ids", "int32", ("R",)),
-    ("out_logprobs", "float32", ("R",)),
-    ("out_top_ids", "int32", ("R", "N")),
-    ("out_top_logprobs", "float32", ("R", "N")),
-)
-ALL_FIELDS = INPUT_FIELDS + OUTPUT_FIELDS
 _ALIGN = 64
 
 
@@ -59,13 +33,13 @@ class ArenaSpec:
         return {"T": self.max_tokens, "R": self.max_rows, "W": self.max_blocks, "N": MAX_TOP_LOGPROBS}
 
     def layout(self) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
-        """Field -> (byte offset, dtype, shape); and the total size."""
+        """Field -> (byte offset, dtype, shape) in declaration order (shm/step.py); and the total size.
+        Every field starts on a 64-byte boundary."""
         dims, offset, out = self.dims(), 0, {}
-        for name, dtype, shape in ALL_FIELDS:
-            dt = np.dtype(dtype)
-            sh = tuple(dims[d] for d in shape)
-            out[name] = (offset, dt, sh)
-            offset += -(-int(np.prod(sh)) * dt.itemsize // _ALIGN) * _ALIGN
+        for _, f in all_fields():
+            shape = tuple(dims[d] for d in f.dims)
+            out[f.name] = (offset, f.dtype, shape)
+            offset += -(-int(np.prod(shape)) * f.dtype.itemsize // _ALIGN) * _ALIGN
         return out, offset
 
     def to_wire(self) -> dict[str, int]:
@@ -73,14 +47,21 @@ class ArenaSpec:
 
     @classmethod
     def from_wire(cls, d: dict) -> "ArenaSpec":
-        spec = cls(int(d["max_tokens"]), int(d["max_rows"]), int(d["max_blocks"]))
+        try:
+            spec = cls(int(d["max_tokens"]), int(d["max_rows"]), int(d["max_blocks"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"bad arena spec {d!r}") from None
         if min(spec.max_tokens, spec.max_rows, spec.max_blocks) <= 0 or spec.layout()[1] > 1 << 34:
             raise ValueError(f"bad arena spec {d}")
         return spec
 
+    def fits(self, dims: StepDims) -> bool:
+        return dims.n_tokens <= self.max_tokens and dims.n_rows <= self.max_rows and dims.width <= self.max_blocks
+
 
 class Arena:
-    """Numpy views over a buffer laid out by ``ArenaSpec``; ``fields[name]`` is the full-capacity array."""
+    """Typed numpy views over a buffer laid out by `ArenaSpec`: `full` spans the capacity, `step()`
+    the live part of one step."""
 
     def __init__(self, spec: ArenaSpec, buf: memoryview | bytearray):
         self.spec = spec
@@ -88,43 +69,54 @@ class Arena:
         if len(buf) < size:
             raise ValueError("buffer smaller than the arena layout")
         self.buf = buf
-        self.fields: dict[str, np.ndarray] = {
-            name: np.ndarray(shape, dtype, buffer=buf, offset=off) for name, (off, dtype, shape) in layout.items()}
+        arrays = {name: np.ndarray(shape, dtype, buffer=buf, offset=off) for name, (off, dtype, shape) in layout.items()}
+        self.full = StepView(*(cls(**{f.name: arrays[f.name] for f in field_specs(cls)}) for cls in SECTIONS))
 
     @classmethod
     def private(cls, spec: ArenaSpec) -> "Arena":
         """An arena in process memory, for a remote (tcp) agent that gets tensors as frames."""
         return cls(spec, bytearray(spec.layout()[1]))
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.fields[name]
-
-    def views(self, n_tokens: int, n_rows: int, width: int) -> dict[str, np.ndarray]:
+    def step(self, dims: StepDims) -> StepView:
         """The live part of every field for a step of this size."""
-        lim = {"T": n_tokens, "R": n_rows, "W": width, "N": MAX_TOP_LOGPROBS}
-        out = {}
-        for name, _, dims in ALL_FIELDS:
-            out[name] = self.fields[name][tuple(slice(0, lim[d]) for d in dims)]
-        return out
+        lim = {"T": dims.n_tokens, "R": dims.n_rows, "W": dims.width, "N": MAX_TOP_LOGPROBS}
+        return StepView(*(cls(**{f.name: getattr(self.full.section(cls), f.name)[tuple(slice(0, lim[d]) for d in f.dims)]
+                                 for f in field_specs(cls)}) for cls in SECTIONS))
 
-    def input_frames(self, n_tokens: int, n_rows: int, width: int) -> list[bytes]:
-        v = self.views(n_tokens, n_rows, width)
-        return [np.ascontiguousarray(v[name]).tobytes() for name, _, _ in INPUT_FIELDS]
+    def write_step(self, rows: list[RowInput], block_size: int) -> StepDims:
+        """Encode a step's rows (server side); returns its dims for the command header."""
+        dims = step_dims(rows)
+        if not self.spec.fits(dims):
+            raise ValueError(f"step {dims} exceeds the arena capacity {self.spec}")
+        write_rows(self.full, rows, block_size)
+        return dims
 
-    def load_frames(self, names: tuple[tuple[str, str, tuple[str, ...]], ...], frames: list[bytes],
-                    n_tokens: int, n_rows: int, width: int) -> None:
-        if len(frames) != len(names):
-            raise ValueError(f"expected {len(names)} tensor frames, got {len(frames)}")
-        v = self.views(n_tokens, n_rows, width)
-        for (name, dtype, _), raw in zip(names, frames):
-            dst = v[name]
+    def _frames(self, dims: StepDims, sections: tuple[type, ...]) -> list[bytes]:
+        v = self.step(dims)
+        return [np.ascontiguousarray(getattr(v.section(cls), f.name)).tobytes() for cls, f in all_fields(sections)]
+
+    def _load(self, dims: StepDims, sections: tuple[type, ...], frames: list[bytes]) -> None:
+        specs = list(all_fields(sections))
+        if len(frames) != len(specs):
+            raise ValueError(f"expected {len(specs)} tensor frames, got {len(frames)}")
+        v = self.step(dims)
+        for (cls, f), raw in zip(specs, frames):
+            dst = getattr(v.section(cls), f.name)
             if len(raw) != dst.nbytes:
-                raise ValueError(f"frame {name}: {len(raw)} bytes, expected {dst.nbytes}")
-            dst[...] = np.frombuffer(raw, dtype=dtype).reshape(dst.shape)
+                raise ValueError(f"frame {f.name}: {len(raw)} bytes, expected {dst.nbytes}")
+            dst[...] = np.frombuffer(raw, dtype=f.dtype).reshape(dst.shape)
+
+    def input_frames(self, dims: StepDims) -> list[bytes]:
+        return self._frames(dims, INPUT_SECTIONS)
+
+    def load_inputs(self, dims: StepDims, frames: list[bytes]) -> None:
+        self._load(dims, INPUT_SECTIONS, frames)
 
     def output_frames(self, n_rows: int) -> list[bytes]:
-        v = self.views(0, n_rows, 0)
-        return [np.ascontiguousarray(v[name]).tobytes() for name, _, _ in OUTPUT_FIELDS]
+        return self._frames(StepDims(0, n_rows, 0), (StepOutputs,))
+
+    def load_outputs(self, n_rows: int, frames: list[bytes]) -> None:
+        self._load(StepDims(0, n_rows, 0), (StepOutputs,), frames)
 
 
 # ---------------------------------------------------------------- POSIX segments
@@ -174,22 +166,12 @@ def segment_name(tag: str) -> str:
     return f"{PREFIX}-{os.getpid()}-{tag}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_segments() -> list[str]:
     """Unlink our segments whose creating process is gone (a killed earlier run)."""
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}-*"):
         m = _NAME_RE.match(path.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed

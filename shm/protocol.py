@@ -1,8 +1,10 @@
 """Command codec: one command byte + msgpack header in frame 0; tensor frames may follow (tcp agents).
 
 Keeps the original llm-serving's first-byte protocol: ``*`` a step containing prefill tokens,
-``a`` a pure decode step, ``#`` handshake/attach, ``r`` reset, ``e`` exit; ``h`` heartbeat is ours.
-Replies: ``1`` ok, ``2`` failed, both with a msgpack body.
+``a`` a pure decode step, ``#`` handshake (attach), ``e`` detach (the agent waits for the next
+server), ``r`` reset (forcibly detach whichever server is attached); ``h`` heartbeat is ours.
+Replies: ``1`` ok, ``2`` failed, both with a msgpack body; a failure names an error `code`.
+The full specification is docs/protocol.md.
 """
 from __future__ import annotations
 
@@ -11,19 +13,32 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
+VERSION = 2  # 2: the handshake carries KV geometry and model identity; `e` detaches instead of exiting
 
-HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, EXIT, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
-COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, EXIT, HEARTBEAT})
+HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
+COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT})
 STEP_COMMANDS = frozenset({FULL_STEP, DECODE_STEP})
 OK, FAILED = b"1", b"2"
 MAX_HEADER_BYTES = 1 << 20
 
+# Error codes of a failed reply.
+E_PROTOCOL = "protocol"  # malformed frame: no command was run
+E_BUSY = "busy"  # `#` while another live server is attached (send `r` to take the agent over)
+E_MISMATCH = "mismatch"  # `#` with a KV geometry or model other than the agent's
+E_NOT_ATTACHED = "not_attached"  # a step from a peer that is not the attached server
+E_BAD_STEP = "bad_step"  # a step's sizes or indices are out of range; the agent keeps serving
+E_FAILED = "failed"  # the command raised; the agent keeps serving
+E_FATAL = "fatal"  # the model step raised: the agent exits after this reply and is restarted
+
+# The KV geometry and model identity a server and its agent must agree on (handshake `geometry`, `model`).
+GEOMETRY_KEYS = ("block_size", "num_blocks", "max_model_len")
+MODEL_KEYS = ("name", "digest")
+
 # Required header keys and their types, per command.
 _STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "free": list}
 _REQUIRED: dict[bytes, dict[str, type]] = {
-    HANDSHAKE: {"arena": (str, type(None)), "spec": dict, "server_pid": int},
-    FULL_STEP: _STEP_KEYS, DECODE_STEP: _STEP_KEYS, RESET: {}, EXIT: {}, HEARTBEAT: {},
+    HANDSHAKE: {"arena": (str, type(None)), "spec": dict, "server_pid": int, "geometry": dict, "model": dict},
+    FULL_STEP: _STEP_KEYS, DECODE_STEP: _STEP_KEYS, RESET: {}, DETACH: {}, HEARTBEAT: {},
 }
 
 
@@ -69,13 +84,22 @@ def decode(parts: list[bytes]) -> Message:
         for key in ("n_tokens", "n_rows", "width"):
             if header[key] < 0:
                 raise ProtocolError(f"negative {key}")
-        if not all(isinstance(s, int) for s in header["free"]):
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in header["free"]):
             raise ProtocolError("free must list integer sequence ids")
+    if cmd == HANDSHAKE:
+        for key, names, typ in (("geometry", GEOMETRY_KEYS, int), ("model", MODEL_KEYS, str)):
+            for name in names:
+                if not isinstance(header[key].get(name), typ) or isinstance(header[key].get(name), bool):
+                    raise ProtocolError(f"#: {key}.{name} missing or not {typ.__name__}")
     return Message(cmd, header, [bytes(p) for p in parts[1:]])
 
 
 def encode_reply(ok: bool, body: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> list[bytes]:
     return [(OK if ok else FAILED) + msgpack.packb(body or {}, use_bin_type=True), *(frames or [])]
+
+
+def error_reply(code: str, error: str, msg_id: Any) -> list[bytes]:
+    return encode_reply(False, {"code": code, "error": error, "id": msg_id})
 
 
 def decode_reply(parts: list[bytes]) -> tuple[bool, dict[str, Any], list[bytes]]:

@@ -8,60 +8,50 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from common.procs import pid_alive
 from shm import protocol as P
-from shm.arena import INPUT_FIELDS, OUTPUT_FIELDS, Arena, ArenaSpec, Segment, segment_name
+from shm.arena import Arena, ArenaSpec, Segment, segment_name
+from shm.step import StepDims
 
 POLL_MS = 100
 
 
 class AgentError(RuntimeError):
-    """The agent answered a command with an error. `fatal`: the agent's runtime is no longer usable
-    (it exits after this reply and must be restarted)."""
+    """The agent answered a command with an error (`code`: one of protocol.E_*). A fatal one means
+    the agent's runtime is no longer usable (it exits after this reply and must be restarted)."""
 
-    def __init__(self, message: str, fatal: bool = False):
+    def __init__(self, message: str, code: str = P.E_FAILED):
         super().__init__(message)
-        self.fatal = fatal
+        self.code = code
+
+    @property
+    def fatal(self) -> bool:
+        return self.code == P.E_FATAL
 
 
 class AgentDead(RuntimeError):
     """The agent process is gone or its connection dropped."""
 
 
-def agent_address(port: int, ip: str = "127.0.0.1") -> str:
-    """Local agents use an ipc socket named after their port; remote ones tcp on that port."""
-    if ip in ("127.0.0.1", "localhost", "", None):
-        runtime = os.environ.get("LLM_SERVING_RUNTIME_DIR", tempfile.gettempdir())
-        return f"ipc://{runtime}/llm-serving-agent-{port}.sock"
-    return f"tcp://{ip}:{port}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as fh:  # a zombie (killed, not yet reaped) counts as dead
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-    except PermissionError:
-        return True
-
-
 class AgentClient:
     """Server-side handle of one agent. Not thread-safe: one engine thread owns it."""
 
-    def __init__(self, address: str, spec: ArenaSpec, tag: str):
+    def __init__(self, address: str, spec: ArenaSpec, tag: str, pid: int | None = None):
+        """`pid`: the local agent's process if known before the handshake (its port lock's holder),
+        so a wait for an agent that dies while loading ends at once."""
         self.address, self.spec = address, spec
         self.local = address.startswith("ipc://")
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A fixed routing id: the agent binds its attachment to it, and it survives tcp reconnects.
+        self.sock.setsockopt(zmq.ROUTING_ID, f"{os.getpid()}-{tag}".encode())
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.sock.connect(address)
         self.segment: Segment | None = None
@@ -70,11 +60,11 @@ class AgentClient:
             self.arena = Arena(spec, self.segment.buf)
         else:
             self.arena = Arena.private(spec)
-        self.pid: int | None = None
+        self.pid = pid
         self.info: dict[str, Any] = {}
         self._msg_id = 0
         self._pending: int | None = None
-        self._pending_shape: tuple[int, int, int] = (0, 0, 0)
+        self._pending_dims = StepDims(0, 0, 0)
         self._connected = False
         self.dead = False
         self.closed = False
@@ -87,7 +77,7 @@ class AgentClient:
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 self.dead = True
-        if self.pid is not None and self.local and not _pid_alive(self.pid):
+        if self.pid and self.local and not pid_alive(self.pid):
             self.dead = True
         if self.dead:
             raise AgentDead(f"agent at {self.address} is gone")
@@ -113,7 +103,7 @@ class AgentClient:
                     continue  # a late reply to a command we gave up on
                 self._pending = None
                 if not ok:
-                    raise AgentError(str(body.get("error", "agent failed")), bool(body.get("fatal", False)))
+                    raise AgentError(str(body.get("error", "agent failed")), str(body.get("code", P.E_FAILED)))
                 return body, frames
             if time.monotonic() >= deadline:
                 return None
@@ -127,19 +117,21 @@ class AgentClient:
         return reply[0]
 
     # ------------------------------------------------------------ protocol
-    def handshake(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Attach the agent to our arena; returns the agent's model info (waits for it to load)."""
+    def handshake(self, geometry: dict[str, int], model: dict[str, str], timeout_s: float = 600.0) -> dict[str, Any]:
+        """Attach the agent to our arena (waits for it to load). The agent refuses (E_MISMATCH) when
+        its KV geometry or model differs from ours, or (E_BUSY) while another live server holds it."""
         body = self.call(P.HANDSHAKE, {"arena": self.segment.name if self.segment else None,
-                                       "spec": self.spec.to_wire(), "server_pid": os.getpid()}, timeout_s)
+                                       "spec": self.spec.to_wire(), "server_pid": os.getpid(),
+                                       "geometry": geometry, "model": model}, timeout_s)
         self.pid, self.info = int(body["pid"]), body
         return body
 
-    def send_step(self, n_tokens: int, n_rows: int, width: int, free: list[int], has_prefill: bool) -> None:
-        """Inputs must already be in `self.arena`; outputs land there when `poll` returns."""
-        frames = None if self.local else self.arena.input_frames(n_tokens, n_rows, width)
-        self._pending_shape = (n_tokens, n_rows, width)
+    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool) -> None:
+        """Inputs must already be in `self.arena`; outputs land there when `poll_step` returns."""
+        frames = None if self.local else self.arena.input_frames(dims)
+        self._pending_dims = dims
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP,
-                  {"n_tokens": n_tokens, "n_rows": n_rows, "width": width, "free": free}, frames)
+                  {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "free": free}, frames)
 
     def poll_step(self, timeout_s: float) -> dict[str, Any] | None:
         reply = self.poll(timeout_s)
@@ -147,7 +139,7 @@ class AgentClient:
             return None
         body, frames = reply
         if not self.local:
-            self.arena.load_frames(OUTPUT_FIELDS, frames, 0, self._pending_shape[1], 0)
+            self.arena.load_outputs(self._pending_dims.n_rows, frames)
         return body
 
     def send_heartbeat(self) -> None:
@@ -155,21 +147,23 @@ class AgentClient:
 
     def kill(self) -> None:
         """SIGKILL a local agent that is stuck (a stopped or hung process answers nothing else)."""
-        if self.local and self.pid is not None:
+        if self.local and self.pid:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def close(self, send_exit: bool = True) -> None:
+    def close(self, detach: bool = True, timeout_s: float = 2.0) -> None:
+        """Disconnect; with `detach`, first tell the agent (`e`) so it frees our state and waits for
+        the next server at once (it would also notice our exit, later)."""
         if self.closed:
             return
         self.closed = True
-        if send_exit and not self.dead:
+        if detach and not self.dead:
+            self._pending = None
             try:
-                self._pending = None
-                self.sock.send_multipart(P.encode(P.EXIT, {"id": 0}), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
+                self.call(P.DETACH, timeout_s=timeout_s)
+            except (AgentDead, AgentError, TimeoutError, zmq.ZMQError):
                 pass
         self.sock.disable_monitor()
         self.monitor.close(0)
@@ -182,4 +176,4 @@ class AgentClient:
 def load_step_frames(arena: Arena, msg: P.Message) -> None:
     """Agent side, tcp: copy the step's tensor frames into the private arena."""
     h = msg.header
-    arena.load_frames(INPUT_FIELDS, msg.frames, h["n_tokens"], h["n_rows"], h["width"])
+    arena.load_inputs(StepDims(h["n_tokens"], h["n_rows"], h["width"]), msg.frames)

@@ -45,7 +45,7 @@ class ServerProcess:
         self.config = yaml.safe_load(config.read_text())
         self.url = f"http://127.0.0.1:{self.config['serving_config']['server_port']}"
         self.log = config.with_suffix(".log")
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.main", "--config", str(config), *extra],
+        self.proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(config), *extra],
                                      cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      start_new_session=True)

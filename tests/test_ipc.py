@@ -11,14 +11,15 @@ import pytest
 import zmq
 from hypothesis import given, settings, strategies as st
 
-from agent.launch import start_agents, stop_agents
-from server.config import load_config
-from server.main import connect_agents
+from llm_serving.launch import start_agents, stop_agents
+from common.config import load_config
+from llm_serving.serve import connect_agents
 from server.sampling_params import SamplingParams
-from server.step_writer import RowInput, write_step
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, clean_stale_segments, our_segments
-from shm.transport import AgentDead, AgentError, agent_address
+from shm.endpoint import agent_address
+from shm.step import RowInput, StepDims
+from shm.transport import AgentDead, AgentError
 from tests.helpers import ServerProcess, tiny_config
 
 
@@ -30,12 +31,22 @@ def test_codec_round_trip():
     assert not ok and body == {"error": "boom", "id": 5}
 
 
+V = P.VERSION
+HELLO = {"v": V, "arena": None, "spec": {"max_tokens": 8, "max_rows": 2, "max_blocks": 2}, "server_pid": 1,
+         "geometry": {"block_size": 4, "num_blocks": 8, "max_model_len": 8}, "model": {"name": "m", "digest": "d"}}
+
+
 @pytest.mark.parametrize("parts, why", [
-    ([b""], "empty"), ([b"Z" + msgpack.packb({"v": 1})], "unknown command"),
+    ([b""], "empty"), ([b"Z" + msgpack.packb({"v": V})], "unknown command"),
     ([b"*" + msgpack.packb({"v": 99, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version"),
-    ([b"*" + msgpack.packb({"v": 1, "n_tokens": "1", "n_rows": 1, "width": 1, "free": []})], "n_tokens"),
-    ([b"a" + msgpack.packb({"v": 1, "n_tokens": -1, "n_rows": 1, "width": 1, "free": []})], "negative"),
+    ([b"*" + msgpack.packb({"v": 1, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version 1"),
+    ([b"*" + msgpack.packb({"v": V, "n_tokens": "1", "n_rows": 1, "width": 1, "free": []})], "n_tokens"),
+    ([b"a" + msgpack.packb({"v": V, "n_tokens": -1, "n_rows": 1, "width": 1, "free": []})], "negative"),
+    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "free": [True]})], "free"),
     ([b"a\xc1\xff"], "msgpack"), ([b"#" + msgpack.packb([1, 2])], "not a map"),
+    ([b"#" + msgpack.packb({k: v for k, v in HELLO.items() if k != "geometry"})], "geometry"),
+    ([b"#" + msgpack.packb({**HELLO, "geometry": {**HELLO["geometry"], "block_size": "4"}})], "geometry.block_size"),
+    ([b"#" + msgpack.packb({**HELLO, "model": {"name": "m"}})], "model.digest"),
 ])
 def test_codec_rejects_malformed(parts, why):
     with pytest.raises(P.ProtocolError, match=why):
@@ -51,13 +62,30 @@ def test_codec_fuzz_only_raises_protocol_error(parts):
         pass
 
 
+_values = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=8) | st.binary(max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(P.COMMANDS)), st.dictionaries(st.sampled_from(sorted(HELLO) + ["n_tokens", "free", "x"]),
+                                                            _values | st.dictionaries(st.text(max_size=12), _values)))
+def test_codec_fuzz_of_typed_headers(cmd, header):
+    """Well-formed msgpack with wrong or missing fields (the handshake's nested geometry/model
+    included): decoded, or refused with ProtocolError; never another exception."""
+    try:
+        msg = P.decode([cmd + msgpack.packb({**header, "v": V})])
+    except P.ProtocolError:
+        return
+    if cmd == P.HANDSHAKE:
+        assert all(isinstance(msg.header["geometry"][k], int) for k in P.GEOMETRY_KEYS)
+
+
 def test_arena_layout_is_identical_on_both_sides():
     spec = ArenaSpec(64, 8, 5)
     a, b = Arena.private(spec), Arena.private(ArenaSpec.from_wire(spec.to_wire()))
-    a["block_tables"][2, :3] = [4, 5, 6]
+    a.full.inputs.block_tables[2, :3] = [4, 5, 6]
     b.buf[:] = a.buf
-    assert list(b["block_tables"][2, :3]) == [4, 5, 6]
-    assert a["temperature"].dtype == np.float32  # never float16, unlike the original
+    assert list(b.full.inputs.block_tables[2, :3]) == [4, 5, 6]
+    assert a.full.sampling.temperature.dtype == np.float32  # never float16, unlike the original
 
 
 @pytest.fixture()
@@ -71,8 +99,7 @@ def agent(tmp_path, tiny_model_dir):
 
 def _decode_step(client, cfg):
     rows = [RowInput(1, np.asarray([5, 6, 7], np.int32), 0, [1], True, SamplingParams(), 3, 0)]
-    dims = write_step(client.arena, rows, cfg.block_size)
-    client.send_step(*dims, free=[], has_prefill=True)
+    client.send_step(client.arena.write_step(rows, cfg.block_size), free=[], has_prefill=True)
     return client.poll_step(30)
 
 
@@ -89,12 +116,12 @@ def test_agent_survives_garbage_and_keeps_serving(agent):
             assert not ok and body["error"].startswith("protocol")
         raw.close(0)
         # A well-formed step with out-of-range content is refused with a reason, not a crash.
-        client.arena["tokens"][0] = 10**6
-        client.send_step(1, 1, 1, [], True)
+        client.arena.full.inputs.tokens[0] = 10**6
+        client.send_step(StepDims(1, 1, 1), [], True)
         with pytest.raises(AgentError, match="tokens out of range"):
             client.poll_step(30)
         assert _decode_step(client, cfg) is not None
-        assert 0 <= client.arena["out_ids"][0] < client.info["vocab_size"]
+        assert 0 <= client.arena.full.outputs.ids[0] < client.info["vocab_size"]
         assert client.call(P.HEARTBEAT)["attached"]
     finally:
         client.close()
@@ -108,10 +135,11 @@ def test_second_server_is_refused_while_first_is_attached(agent):
         raw.connect(agent_address(cfg.agent_ports[0]))
         other_live_pid = os.getppid()
         raw.send_multipart(P.encode(P.HANDSHAKE, {"arena": None, "spec": first.spec.to_wire(),
-                                                  "server_pid": other_live_pid, "id": 1}))
+                                                  "server_pid": other_live_pid, "geometry": cfg.geometry,
+                                                  "model": first.info["model"], "id": 1}))
         assert raw.poll(10_000)
         ok, body, _ = P.decode_reply(raw.recv_multipart())
-        assert not ok and "already connected" in body["error"]
+        assert not ok and body["code"] == P.E_BUSY and f"server pid {os.getpid()}" in body["error"]
         assert _decode_step(first, cfg) is not None  # the first server is unaffected
     finally:
         raw.close(0)
@@ -130,7 +158,7 @@ def test_agent_sigkill_detected_within_two_seconds(agent):
             client.poll(10)
         assert time.monotonic() - t0 < 2.0
     finally:
-        client.close(send_exit=False)
+        client.close(detach=False)
     assert not [s for s in our_segments() if s.startswith(f"llmserving-{os.getpid()}-")]
 
 
@@ -162,7 +190,7 @@ def test_remote_agent_over_tcp_gets_tensors_as_frames(tmp_path, tiny_model_dir):
             try:
                 assert client.local == (ip == "127.0.0.1") and (client.segment is None) == (ip != "127.0.0.1")
                 _decode_step(client, cfg)
-                results[ip] = int(client.arena["out_ids"][0])
+                results[ip] = int(client.arena.full.outputs.ids[0])
             finally:
                 client.close()
         finally:

@@ -6,7 +6,7 @@ import pytest
 
 from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
 from server.sampling_params import SamplingParams
-from server.step_writer import RowInput, write_step
+from shm.step import RowInput
 from shm.arena import Arena, ArenaSpec
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
@@ -53,16 +53,15 @@ class PagedDriver:
             for i, s in enumerate(seqs):
                 rows.append(RowInput(i, np.asarray(s[fed[i]:], np.int32), fed[i], self._table(len(s), tables[i]),
                                      True, self.params, len(prompts[i]), len(s) - len(prompts[i])))
-            dims = write_step(self.arena, rows, self.bs)
-            v = self.arena.views(*dims)
+            v = self.arena.step(self.arena.write_step(rows, self.bs))
             if collect_logits:
-                logits, _ = self.runner.forward(v)
+                logits, _ = self.runner.forward(v.inputs)
                 for i in range(len(seqs)):
                     all_logits[i].append(logits[i].copy())
             self.runner.step(v, [])
             for i, s in enumerate(seqs):
                 fed[i] = len(s)
-                s.append(int(v["out_ids"][i]))
+                s.append(int(v.outputs.ids[i]))
         return seqs, all_logits
 
 
@@ -102,13 +101,13 @@ def test_logprobs_are_real_log_probabilities(runner16, tiny_weights):
     driver = PagedDriver(runner16, params)
     rows = [RowInput(0, np.asarray(PROMPTS[0], np.int32), 0, driver._table(len(PROMPTS[0]), []), True,
                      params, len(PROMPTS[0]), 0)]
-    v = driver.arena.views(*write_step(driver.arena, rows, 16))
+    v = driver.arena.step(driver.arena.write_step(rows, 16))
     runner16.step(v, [])
     ref = reference_logits(tiny_model_config(), tiny_weights, PROMPTS[0])[-1]
     ref_lp = ref - np.log(np.exp(ref - ref.max()).sum()) - ref.max()
-    assert abs(v["out_logprobs"][0] - ref_lp[v["out_ids"][0]]) < LOGIT_TOL
-    assert list(v["out_top_ids"][0, :5]) == list(np.argsort(-ref_lp)[:5])
-    assert np.allclose(v["out_top_logprobs"][0, :5], np.sort(ref_lp)[::-1][:5], atol=LOGIT_TOL)
+    assert abs(v.outputs.logprobs[0] - ref_lp[v.outputs.ids[0]]) < LOGIT_TOL
+    assert list(v.outputs.top_ids[0, :5]) == list(np.argsort(-ref_lp)[:5])
+    assert np.allclose(v.outputs.top_logprobs[0, :5], np.sort(ref_lp)[::-1][:5], atol=LOGIT_TOL)
 
 
 def test_seeded_sampling_is_reproducible(runner16):
@@ -138,14 +137,14 @@ def _mixed_step(runner: ModelRunner, driver: "PagedDriver", order: list[int]) ->
     tables = [driver._table(len(s), []) for s in seqs]
     warm = [RowInput(i, np.asarray(seqs[i][:-1], np.int32), 0, tables[i], False, driver.params,
                      len(seqs[i]) - 1, 0) for i in range(3)]  # the decode rows' contexts, cached first
-    v = driver.arena.views(*write_step(driver.arena, warm, driver.bs))
-    runner.forward(v)
+    v = driver.arena.step(driver.arena.write_step(warm, driver.bs))
+    runner.forward(v.inputs)
     rows = {0: (seqs[0][-1:], len(seqs[0]) - 1), 1: (seqs[1][-1:], len(seqs[1]) - 1),
             2: (seqs[2][-1:], len(seqs[2]) - 1), 3: (seqs[3], 0), 4: (seqs[4][:20], 0)}
     step = [RowInput(i, np.asarray(rows[i][0], np.int32), rows[i][1], tables[i], True, driver.params,
                      len(seqs[i]), 0) for i in order]
-    v = driver.arena.views(*write_step(driver.arena, step, driver.bs))
-    logits, _ = runner.forward(v)
+    v = driver.arena.step(driver.arena.write_step(step, driver.bs))
+    logits, _ = runner.forward(v.inputs)
     return {i: logits[k].copy() for k, i in enumerate(order)}, seqs
 
 

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.sampling import SamplingRows, sample
+from agent.sampling import sample
+from shm.step import SamplingColumns
 
 
-def _rows(n: int, **cols) -> SamplingRows:
+def _rows(n: int, **cols) -> SamplingColumns:
     base = dict(temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
                 min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
                 presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
                 seed=np.full(n, 7, np.int64), n_logprobs=np.zeros(n, np.int32), prompt_len=np.full(n, 2, np.int32),
                 output_len=np.zeros(n, np.int32))
-    return SamplingRows(**{k: np.asarray(cols.get(k, v), v.dtype) for k, v in base.items()})
+    return SamplingColumns(**{k: np.asarray(cols.get(k, v), v.dtype) for k, v in base.items()})
 
 
 def test_extreme_values_sample_finite_tokens_and_a_broken_row_fails_alone():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, Sequence
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from server.model_files import ModelFiles
+from common.model_files import ModelFiles
 from server.tokenizer import load_tokenizer
 
 spm = pytest.importorskip("sentencepiece")

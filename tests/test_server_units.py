@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from server.block_manager import BlockManager
-from server.config import ServingConfig
+from common.config import ServingConfig
 from server.detok import IncrementalDetokenizer
-from server.model_files import ModelFiles
+from common.model_files import ModelFiles
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, Sequence
 from server.tokenizer import load_tokenizer
@@ -169,26 +169,26 @@ def test_sjf_policy_orders_by_max_new_tokens():
 
 def test_write_step_lays_out_rows_and_slots():
     """Mixed prefill chunk (crossing blocks), decodes and sampling params land where the agent reads."""
-    from server.step_writer import RowInput, write_step
     from shm.arena import Arena, ArenaSpec
+    from shm.step import RowInput, StepDims
 
     arena = Arena.private(ArenaSpec(16, 4, 8))
     hot = SamplingParams(temperature=0.7, top_k=5, seed=11, logprobs=2)
     rows = [RowInput(7, np.array([5, 6, 7, 8, 9], np.int32), 2, [3, 9], True, hot, 7, 0),
             RowInput(8, np.array([4], np.int32), 9, [1, 2, 6], True, SamplingParams(), 3, 7),
             RowInput(9, np.array([1, 2], np.int32), 0, [5], False, SamplingParams(), 4, 0)]
-    assert write_step(arena, rows, 4) == (8, 3, 3)
-    f = arena.fields
-    assert f["tokens"][:8].tolist() == [5, 6, 7, 8, 9, 4, 1, 2]
-    assert f["positions"][:8].tolist() == [2, 3, 4, 5, 6, 9, 0, 1]
+    assert arena.write_step(rows, 4) == StepDims(8, 3, 3)
+    x, c = arena.full.inputs, arena.full.sampling
+    assert x.tokens[:8].tolist() == [5, 6, 7, 8, 9, 4, 1, 2]
+    assert x.positions[:8].tolist() == [2, 3, 4, 5, 6, 9, 0, 1]
     # slot = table[pos // 4] * 4 + pos % 4
-    assert f["slots"][:8].tolist() == [14, 15, 36, 37, 38, 25, 20, 21]
-    assert f["query_lens"][:3].tolist() == [5, 1, 2]
-    assert f["block_tables"][:3, :3].tolist() == [[3, 9, 0], [1, 2, 6], [5, 0, 0]]
-    assert f["seq_ids"][:3].tolist() == [7, 8, 9] and f["sample"][:3].tolist() == [1, 1, 0]
-    assert f["output_len"][:3].tolist() == [0, 7, 0] and f["seed"][:3].tolist() == [11, -1, -1]
-    assert np.allclose(f["temperature"][:2], [0.7, SamplingParams().temperature])
-    assert f["top_k"][0] == 5 and f["n_logprobs"][0] == 2
+    assert x.slots[:8].tolist() == [14, 15, 36, 37, 38, 25, 20, 21]
+    assert x.query_lens[:3].tolist() == [5, 1, 2]
+    assert x.block_tables[:3, :3].tolist() == [[3, 9, 0], [1, 2, 6], [5, 0, 0]]
+    assert x.seq_ids[:3].tolist() == [7, 8, 9] and x.sample[:3].tolist() == [1, 1, 0]
+    assert c.output_len[:3].tolist() == [0, 7, 0] and c.seed[:3].tolist() == [11, -1, -1]
+    assert np.allclose(c.temperature[:2], [0.7, SamplingParams().temperature])
+    assert c.top_k[0] == 5 and c.n_logprobs[0] == 2
 
 
 def test_bench_random_range_ratio_draws_lengths_in_range():

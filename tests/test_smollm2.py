@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.model_files import resolve_model
+from common.model_files import resolve_model
 from server.tokenizer import load_tokenizer
 
 
@@ -29,7 +29,7 @@ def test_tokenizer_matches_the_gguf_vocabulary(smollm2):
 
 def test_greedy_completion_knows_paris(smollm2):
     from server.sampling_params import SamplingParams
-    from server.step_writer import RowInput, write_step
+    from shm.step import RowInput
     from shm.arena import Arena, ArenaSpec
 
     runner, tok = smollm2
@@ -39,8 +39,8 @@ def test_greedy_completion_knows_paris(smollm2):
     for _ in range(6):
         row = RowInput(1, np.asarray(seq[fed:], np.int32), fed, [1], True, SamplingParams(), prompt_len,
                        len(seq) - prompt_len)
-        v = arena.views(*write_step(arena, [row], 16))
+        v = arena.step(arena.write_step([row], 16))
         runner.step(v, [])
         fed = len(seq)
-        seq.append(int(v["out_ids"][0]))
+        seq.append(int(v.outputs.ids[0]))
     assert "Paris" in tok.decode(seq[prompt_len:])

@@ -7,7 +7,7 @@ import numpy as np
 import yaml
 
 from agent.weights import _unpermute, load_model, read_safetensors
-from server.model_files import ModelFiles
+from common.model_files import ModelFiles
 from tests.conftest import TINY
 from tools.export_model import permute_qk
 
@@ -72,7 +72,7 @@ def test_export_round_trips_through_our_loaders(tmp_path):
     """tools/export_model.py writes what peers load (HF folder, GGUF f32/f16); reading them back
     gives the same weights and config, so a peer comparison runs one model everywhere."""
     from agent.model import LlamaConfig
-    from server.model_files import resolve_model
+    from common.model_files import resolve_model
     from server.tokenizer import load_tokenizer
     from tools.export_model import random_llama, write_gguf, write_hf
 

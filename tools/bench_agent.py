@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
     from agent.weights import load_model
-    from server.model_files import resolve_model
+    from common.model_files import resolve_model
     from server.sampling_params import SamplingParams
-    from server.step_writer import RowInput, write_step
+    from shm.step import RowInput
     from shm.arena import Arena, ArenaSpec
 
     max_len = 2 * max(args.context, args.prefill)
@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     def ms_decode(b: int):
         rows = [RowInput(i, np.asarray([7], np.int32), args.context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
                          True, greedy, args.context, 0) for i in range(b)]
-        v = arena.views(*write_step(arena, rows, bs))
+        v = arena.step(arena.write_step(rows, bs))
         return lambda: runner.step(v, [])
 
     def ms_prefill():
         rows = [RowInput(0, np.arange(args.prefill, dtype=np.int32) + 100, 0, list(range(1, 1 + per_seq)),
                          True, greedy, args.prefill, 0)]
-        v = arena.views(*write_step(arena, rows, bs))
+        v = arena.step(arena.write_step(rows, bs))
         return lambda: runner.step(v, [])
 
     print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from agent.launch import start_agents, stop_agents  # noqa: E402
-from server.config import load_config  # noqa: E402
-from server.main import connect_agents  # noqa: E402
+from llm_serving.launch import start_agents, stop_agents  # noqa: E402
+from common.config import load_config  # noqa: E402
+from llm_serving.serve import connect_agents  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
-from server.step_writer import RowInput, write_step  # noqa: E402
+from shm.step import RowInput, StepDims  # noqa: E402
 from shm import protocol as P  # noqa: E402
 
 
@@ -52,22 +52,22 @@ def main(argv: list[str] | None = None) -> int:
             return [RowInput(i, np.asarray([11], np.int32), 100, list(range(1 + i * width, 1 + (i + 1) * width)),
                              True, greedy, 100, 0) for i in range(n)]
 
-        def step(n_tokens: int, n_rows: int, w: int) -> dict:
-            client.send_step(n_tokens, n_rows, w, [], has_prefill=False)
+        def step(dims: StepDims) -> dict:
+            client.send_step(dims, [], has_prefill=False)
             body = client.poll_step(600)
             assert body is not None
             return body
 
         heartbeat = median_us(lambda: client.call(P.HEARTBEAT), args.n)
-        empty = median_us(lambda: step(0, 0, 0), args.n)
+        empty = median_us(lambda: step(StepDims(0, 0, 0)), args.n)
         rows64 = rows(64)
-        write64 = median_us(lambda: write_step(client.arena, rows64, bs), args.n)
-        dims = write_step(client.arena, rows(args.decode_batch), bs)
-        step(*dims)  # compile this shape
+        write64 = median_us(lambda: client.arena.write_step(rows64, bs), args.n)
+        dims = client.arena.write_step(rows(args.decode_batch), bs)
+        step(dims)  # compile this shape
         walls, models = [], []
         for _ in range(5):
             t0 = time.perf_counter()
-            body = step(*dims)
+            body = step(dims)
             walls.append(time.perf_counter() - t0)
             models.append(body["model_s"])
         decode_us = statistics.median(walls) * 1e6

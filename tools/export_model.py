@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 from agent.model import LlamaConfig  # noqa: E402
 from agent.weights import Weights, load_model  # noqa: E402
-from server.model_files import resolve_model  # noqa: E402
+from common.model_files import resolve_model  # noqa: E402
 
 _GGUF_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -64,7 +64,7 @@ def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path) -> N
     from safetensors.numpy import save_file
 
     from server.tokenizer import load_tokenizer
-    from server.model_files import ModelFiles
+    from common.model_files import ModelFiles
 
     out.mkdir(parents=True, exist_ok=True)
     config = {

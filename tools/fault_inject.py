@@ -38,7 +38,7 @@ def agent_pids(server_pid: int) -> list[int]:
 def start_server(config: Path, log: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
     doc = yaml.safe_load(config.read_text())
     url = f"http://127.0.0.1:{doc['serving_config']['server_port']}"
-    proc = subprocess.Popen([sys.executable, "-m", "server.main", "--config", str(config)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(config)], cwd=ROOT,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while "llm-serving ready" not in log.read_text():

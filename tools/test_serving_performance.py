@@ -22,7 +22,7 @@ from tools.bench_serving import BenchRequest, send
 
 
 def load_requests(path: str, n: int, model_path: str) -> list[BenchRequest]:
-    from server.model_files import resolve_model
+    from common.model_files import resolve_model
     from server.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(model_path))

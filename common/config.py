@@ -88,6 +88,11 @@ class ServingConfig:
         return self.decode_buckets[-1] + self.max_prefill_rows
 
     @property
+    def geometry(self) -> dict[str, int]:
+        """The KV cache layout a server and its agents must share (checked at attach)."""
+        return {"block_size": self.block_size, "num_blocks": self.num_blocks, "max_model_len": self.max_model_len}
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 

@@ -1,61 +1,106 @@
-"""`llm-serving`: start the agents (unless --attach), connect, and serve HTTP."""
+"""`llm-serving`: start the agents (or attach to running ones), connect, and serve HTTP."""
 from __future__ import annotations
 
 import argparse
 import itertools
 import logging
 import signal
+import socket
 import sys
 import threading
+import time
 from typing import Any, Callable
 
-from server.config import load_config
+from common.config import ServingConfig, load_config
+from common.model_files import model_identity, resolve_model
+from llm_serving.launch import AgentStartError, respawn_agent, start_agents, stop_agents
 from server.engine import Engine
-from server.model_files import resolve_model
 from server.tokenizer import load_tokenizer
+from shm import protocol as P
 from shm.arena import ArenaSpec, clean_stale_segments
-from shm.transport import AgentClient, agent_address
+from shm.endpoint import agent_address, clean_stale_endpoints, holder, is_local
+from shm.transport import AgentClient, AgentDead, AgentError
 
 log = logging.getLogger("llm_serving")
 
 
-def arena_spec(cfg: Any) -> ArenaSpec:
+class AttachError(RuntimeError):
+    """An agent to attach to is missing, held by another server, or built for another model."""
+
+
+def arena_spec(cfg: ServingConfig) -> ArenaSpec:
     return ArenaSpec(cfg.token_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq)
 
 
-def connect_agent(cfg: Any, index: int, tag: str, timeout_s: float = 600.0) -> AgentClient:
-    client = AgentClient(agent_address(cfg.agent_ports[index], cfg.agent_ip), arena_spec(cfg), tag=tag)
+def _agent_pid(port: int, wait_s: float) -> int:
+    """The pid of the local agent holding `port`, waiting up to `wait_s` for one to appear."""
+    deadline = time.monotonic() + wait_s
+    while (pid := holder(port)) is None:
+        if time.monotonic() >= deadline:
+            raise AttachError(f"no agent on port {port} (start one with `launch_agents --config ...`)")
+        time.sleep(0.2)
+    return pid
+
+
+def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 600.0,
+                  reset: bool = False, wait_s: float = 0.0) -> AgentClient:
+    """Attach to agent `index` (waiting while it loads); `reset` first detaches any other server;
+    `wait_s`: how long a local agent may take to appear (its launcher restarting it)."""
+    port = cfg.agent_ports[index]
+    pid = _agent_pid(port, wait_s) if is_local(cfg.agent_ip) else None
+    client = AgentClient(agent_address(port, cfg.agent_ip), arena_spec(cfg), tag=tag, pid=pid)
     try:
-        client.handshake(timeout_s)
+        if reset:
+            client.call(P.RESET, timeout_s=timeout_s)
+        client.handshake(cfg.geometry, model_identity(cfg.model_name, resolve_model(cfg.model_path, cfg.model_cfg_path)),
+                         timeout_s)
+    except AgentError as exc:
+        client.close(detach=False)
+        raise AttachError(f"agent on port {port} refused: {exc}") from None
+    except AgentDead:
+        client.close(detach=False)
+        raise AttachError(f"agent on port {port} exited before it was ready") from None
     except BaseException:
-        client.close(send_exit=False)
+        client.close(detach=False)
         raise
     return client
 
 
-def connect_agents(cfg: Any) -> list[AgentClient]:
+def connect_agents(cfg: ServingConfig, reset: bool = False) -> list[AgentClient]:
     clients: list[AgentClient] = []
     try:
         for i in range(len(cfg.agent_ports)):
-            clients.append(connect_agent(cfg, i, f"agent{i}"))
+            clients.append(connect_agent(cfg, i, f"agent{i}", reset=reset))
     except BaseException:
         for c in clients:
-            c.close(send_exit=False)
+            c.close(detach=True)
         raise
     return clients
+
+
+def bind_http(cfg: ServingConfig) -> socket.socket:
+    """Take the HTTP port before anything slow starts: a busy port fails in a moment, not after the
+    model has loaded. uvicorn serves on this very socket."""
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.server_ip else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.server_ip, cfg.server_port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"HTTP port {cfg.server_port} on {cfg.server_ip} is not available: {exc.strerror}") from None
+    return sock
 
 
 def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any], procs: list) -> Callable[[int], AgentClient]:
     """How the engine brings agent i back: respawn it when we started it, else wait for its
     launcher (launch_agents restarts it) until the recovery deadline; then attach again."""
-    from agent.launch import respawn_agent
-
     generation = itertools.count(1)
 
     def restart(index: int) -> AgentClient:
         if procs:
             respawn_agent(cfg, config_path, overrides, procs, index)
-        return connect_agent(cfg, index, f"agent{index}r{next(generation)}", timeout_s=cfg.recovery_deadline_s)
+        return connect_agent(cfg, index, f"agent{index}r{next(generation)}", timeout_s=cfg.recovery_deadline_s,
+                             wait_s=cfg.recovery_deadline_s)
 
     return restart
 
@@ -76,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", dest="server_ip")
     ap.add_argument("--port", dest="server_port", type=int)
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
+    ap.add_argument("--reset-agents", action="store_true",
+                    help="with --attach: take over agents that another (stuck) server still holds (sends r)")
     ap.add_argument("--demo", action="store_true", help="send one chat request once ready and print the answer")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -85,19 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     removed = clean_stale_segments()
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
+    clean_stale_endpoints()
 
     import uvicorn  # after the config is known to be valid
 
-    from agent.launch import AgentStartError, start_agents, stop_agents
     from server.api import build_app
 
-    procs = []
+    procs: list = []
     try:
+        http = bind_http(cfg)
         if not args.attach:
             procs = start_agents(cfg, args.config, overrides)
-        clients = connect_agents(cfg)
-    except (AgentStartError, TimeoutError, OSError) as exc:
-        log.error("agents failed to start: %s", exc)
+        clients = connect_agents(cfg, reset=args.reset_agents)
+    except (AgentStartError, AttachError, TimeoutError, OSError) as exc:
+        log.error("%s", exc)
         stop_agents(procs)
         return 1
     tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
@@ -121,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     # becomes SystemExit, so the cleanup below (unlinking shared memory, stopping agents) runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        server.run()
+        server.run(sockets=[http])
     finally:
         engine.shutdown()
         stop_agents(procs)

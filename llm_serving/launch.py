@@ -1,6 +1,8 @@
 """Start one agent process per `serving_config.agent_ports` entry and wait until each answers.
 
-Used by `launch_agents` (standalone) and by `llm-serving` (agents + server in one command).
+Used by `launch_agents` (standalone: the agents outlive the servers that attach to them, restarts
+them when they die, and stops them on SIGTERM/SIGINT) and by `llm-serving` (agents + server in one
+command). Every agent exits when the process that launched it is gone.
 Readiness is a heartbeat answered over the agent's own socket, not log polling.
 """
 from __future__ import annotations
@@ -10,15 +12,17 @@ import logging
 import multiprocessing as mp
 import signal
 import sys
+import os
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
 
-from server.config import ServingConfig, load_config
+from common.config import ServingConfig, load_config
+from common.procs import stopped
 from shm import protocol as P
-from shm.transport import agent_address
+from shm.arena import clean_stale_segments
+from shm.endpoint import PortInUse, agent_address, clean_stale_endpoints, holder, is_local
 
 log = logging.getLogger("llm_serving.launch")
 READY_TIMEOUT_S = 900.0  # model load + graph warm-up of one agent
@@ -29,14 +33,6 @@ STOPPED_GRACE_S = 5.0  # a starting agent stopped (SIGSTOP) this long is given u
 
 class AgentStartError(RuntimeError):
     pass
-
-
-def _stopped(pid: int | None) -> bool:
-    """Whether a process is stopped (SIGSTOP): alive, but it will never answer."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = None) -> dict[str, Any]:
@@ -56,7 +52,7 @@ def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = N
                     return body
             if proc is not None and not proc.is_alive():
                 raise AgentStartError(f"agent at {address} exited with code {proc.exitcode}")
-            if proc is not None and _stopped(proc.pid):
+            if proc is not None and stopped(proc.pid):
                 stopped_since = stopped_since or time.monotonic()
                 if time.monotonic() - stopped_since > STOPPED_GRACE_S:
                     raise AgentStartError(f"agent at {address} (pid {proc.pid}) is stopped")
@@ -71,7 +67,7 @@ def spawn_agent(config_path: str | None, index: int, overrides: dict[str, Any]) 
     """Spawn (never fork: MindSpore hangs in a forked child) agent `index`."""
     from agent.main import agent_process
 
-    proc = mp.get_context("spawn").Process(target=agent_process, args=(config_path, index, overrides),
+    proc = mp.get_context("spawn").Process(target=agent_process, args=(config_path, index, overrides, os.getpid()),
                                            name=f"agent{index}", daemon=True)
     proc.start()
     return proc
@@ -79,7 +75,14 @@ def spawn_agent(config_path: str | None, index: int, overrides: dict[str, Any]) 
 
 def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
                  ready_timeout_s: float = READY_TIMEOUT_S) -> list[mp.process.BaseProcess]:
-    """Spawn every agent and wait until each answers a heartbeat."""
+    """Spawn every agent and wait until each answers a heartbeat. Refuses at once a port that a
+    live agent holds (the agent would refuse too, but only after its interpreter started)."""
+    if is_local(cfg.agent_ip):
+        clean_stale_endpoints()
+        for port in cfg.agent_ports:
+            pid = holder(port)
+            if pid is not None:
+                raise AgentStartError(str(PortInUse(port, pid)))
     procs = [spawn_agent(config_path, i, overrides) for i in range(len(cfg.agent_ports))]
     try:
         for i, proc in enumerate(procs):
@@ -98,6 +101,7 @@ def respawn_agent(cfg: ServingConfig, config_path: str | None, overrides: dict[s
     if old.is_alive():
         old.kill()
     old.join(5.0)
+    clean_stale_endpoints()  # a killed agent leaves its socket and lock files behind
     procs[index] = spawn_agent(config_path, index, overrides)
     ping(agent_address(cfg.agent_ports[index], cfg.agent_ip), READY_TIMEOUT_S, procs[index])
     log.info("agent %d restarted (pid %d)", index, procs[index].pid)
@@ -113,6 +117,9 @@ def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> No
         if p.is_alive():
             p.kill()
             p.join(1.0)
+    if procs:
+        clean_stale_endpoints()
+        clean_stale_segments()  # arenas of servers killed while attached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     print("all agents started", flush=True)  # the original launcher's ready line
+    log.info("agents stay up across servers: attach with `llm-serving --attach --config %s`; "
+             "stop them with SIGTERM/Ctrl-C to this process (pid %d)", args.config, os.getpid())
 
     def forward(signum: int, _frame: Any) -> None:
         stop_agents(procs)

@@ -1,6 +1,7 @@
 """Locate model files. Pure Python: used by the server (tokenizer) and the agents (weights)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,3 +44,13 @@ def resolve_model(model_path: str | None, model_cfg_path: str | None = None) -> 
     if p.is_dir() and (p / "config.json").exists():
         return ModelFiles("hf", p)
     raise ValueError(f"unrecognised model path {p}: expected .gguf, .ckpt or a folder with config.json")
+
+
+def model_identity(name: str, files: ModelFiles) -> dict[str, str]:
+    """What a server and an agent compare at attach: the configured name, and a digest of the
+    model's files by name and size (cheap for a 13 GB checkpoint, and the same on both sides)."""
+    paths = sorted(files.path.iterdir()) if files.path.is_dir() else [files.path]
+    if files.cfg_path is not None:
+        paths.append(files.cfg_path)
+    key = "|".join(f"{p.name}:{p.stat().st_size}" for p in paths if p.is_file())
+    return {"name": name, "digest": hashlib.sha1(f"{files.kind}|{key}".encode()).hexdigest()[:16]}

@@ -1,0 +1,122 @@
+"""Where an agent listens, and who owns a port.
+
+A local agent listens on an ipc socket named after its port in the runtime folder
+(`LLM_SERVING_RUNTIME_DIR`, default the temp folder); a remote one on tcp. Every agent holds an
+exclusive `flock` on `llm-serving-agent-<port>.lock` (its pid inside) from before it loads the model
+until it exits: the kernel drops the lock when the process dies, however it dies, so "port in use
+by pid P" and "stale socket file" are both decided by the lock, never by guessing from timeouts.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+PREFIX = "llm-serving-agent-"
+
+
+class PortInUse(RuntimeError):
+    def __init__(self, port: int, pid: int | None):
+        super().__init__(f"port {port} in use by pid {pid}" if pid else f"port {port} in use")
+        self.port, self.pid = port, pid
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ.get("LLM_SERVING_RUNTIME_DIR", tempfile.gettempdir()))
+
+
+def is_local(ip: str | None) -> bool:
+    return ip in ("127.0.0.1", "localhost", "", None)
+
+
+def socket_path(port: int) -> Path:
+    return runtime_dir() / f"{PREFIX}{port}.sock"
+
+
+def lock_path(port: int) -> Path:
+    return runtime_dir() / f"{PREFIX}{port}.lock"
+
+
+def agent_address(port: int, ip: str | None = "127.0.0.1") -> str:
+    """Local agents use an ipc socket named after their port; remote ones tcp on that port."""
+    return f"ipc://{socket_path(port)}" if is_local(ip) else f"tcp://{ip}:{port}"
+
+
+def _lock(path: Path) -> int | None:
+    """An fd holding the exclusive lock of `path` (created if missing), or None if another process
+    holds it. Re-checks the inode: a holder that unlinked the file on exit must not leave us a lock
+    on a file nobody else can see."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def holder(port: int) -> int | None:
+    """The pid of the live agent that owns `port` (0 if its pid is unreadable), or None."""
+    path = lock_path(port)
+    if not path.exists():
+        return None
+    fd = _lock(path)
+    if fd is not None:  # nobody holds it: stale, left by a killed agent
+        _remove(port, fd)
+        return None
+    try:
+        return int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _remove(port: int, fd: int) -> None:
+    """Unlink the port's socket and lock files while holding the lock, then release it."""
+    socket_path(port).unlink(missing_ok=True)
+    lock_path(port).unlink(missing_ok=True)
+    os.close(fd)
+
+
+class PortLock:
+    """Held by an agent for its whole life; `release` removes its socket and lock files."""
+
+    def __init__(self, port: int):
+        self.port = port
+        runtime_dir().mkdir(parents=True, exist_ok=True)
+        fd = _lock(lock_path(port))
+        if fd is None:
+            raise PortInUse(port, holder(port))
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        socket_path(port).unlink(missing_ok=True)  # a killed agent's socket: we own the port now
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            _remove(self.port, self.fd)
+            self.fd = None
+
+
+def clean_stale_endpoints() -> list[int]:
+    """Remove socket and lock files of agents that are gone (a SIGKILLed agent cannot clean up)."""
+    ports = set()
+    for path in runtime_dir().glob(f"{PREFIX}*"):
+        stem = path.name[len(PREFIX):].split(".")[0]
+        if stem.isdigit():
+            ports.add(int(stem))
+    removed = []
+    for port in sorted(ports):
+        if not lock_path(port).exists():
+            socket_path(port).unlink(missing_ok=True)  # an older agent's socket without a lock
+            removed.append(port)
+        elif holder(port) is None:
+            removed.append(port)
+    return removed

@@ -1,0 +1,167 @@
+"""The step contract: every arena field declared once, as typed views; the row encoder (server side)
+and the output reader beside them.
+
+Field order here is the byte order of the arena and of the tcp tensor frames (docs/protocol.md).
+Shapes use the dims "T" (tokens of the step), "R" (rows), "W" (block-table columns), "N" (top
+logprobs). Adding a sampling knob: one column in `SamplingColumns` (naming the `SamplingParams`
+attribute it encodes) and its use in agent/sampling.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20
+
+
+def col(dtype: str, *dims: str, param: str | None = None, neutral: Any = None, none: int | None = None) -> Any:
+    """A field of the step arena. `param`: the sampling-parameter attribute it encodes (else the
+    row's attribute of the field's own name), `neutral` its value that changes nothing (greedy,
+    no penalty); `none`: what a parameter of None is sent as."""
+    return field(metadata={"dtype": np.dtype(dtype), "dims": dims, "param": param, "neutral": neutral, "none": none})
+
+
+@dataclass
+class StepInputs:
+    """What to compute: per token, and per row (one row = one sequence's query tokens)."""
+    tokens: np.ndarray = col("int32", "T")
+    positions: np.ndarray = col("int32", "T")
+    slots: np.ndarray = col("int32", "T")  # KV slot each token is written to: block * block_size + offset
+    query_lens: np.ndarray = col("int32", "R")  # tokens of each row; rows are packed in order
+    block_tables: np.ndarray = col("int32", "R", "W")
+    seq_ids: np.ndarray = col("int64", "R")
+    sample: np.ndarray = col("int32", "R")  # 1: sample after the row's last token (decode, or a prompt's last chunk)
+
+
+@dataclass
+class SamplingColumns:
+    """Per-row sampling settings and the row state the sampler needs."""
+    prompt_len: np.ndarray = col("int32", "R")  # penalties: repetition over prompt+output, the others over output
+    output_len: np.ndarray = col("int32", "R")  # tokens generated so far: seeds a seeded row's per-step stream
+    temperature: np.ndarray = col("float32", "R", param="temperature", neutral=0.0)  # 0 = greedy
+    top_k: np.ndarray = col("int32", "R", param="top_k", neutral=0)  # 0 = off
+    top_p: np.ndarray = col("float32", "R", param="top_p", neutral=1.0)  # 1 = off
+    min_p: np.ndarray = col("float32", "R", param="min_p", neutral=0.0)  # 0 = off
+    repetition_penalty: np.ndarray = col("float32", "R", param="repetition_penalty", neutral=1.0)  # 1 = off
+    presence_penalty: np.ndarray = col("float32", "R", param="presence_penalty", neutral=0.0)
+    frequency_penalty: np.ndarray = col("float32", "R", param="frequency_penalty", neutral=0.0)
+    seed: np.ndarray = col("int64", "R", param="seed", neutral=None, none=-1)  # -1 = unseeded
+    n_logprobs: np.ndarray = col("int32", "R", param="logprobs", neutral=0)  # top alternatives to report, <= N
+
+    @staticmethod
+    def greedy() -> SimpleNamespace:
+        """Sampling parameters at their neutral values (greedy, no penalties, no logprobs): what a
+        client without the server's SamplingParams passes as `RowInput.params`."""
+        return SimpleNamespace(**{f.metadata["param"]: f.metadata["neutral"]
+                                  for f in fields(SamplingColumns) if f.metadata["param"]})
+
+    def take(self, rows: np.ndarray) -> "SamplingColumns":
+        return SamplingColumns(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+
+@dataclass
+class StepOutputs:
+    """What the agent writes back for every row that samples."""
+    ids: np.ndarray = col("int32", "R")  # -1: this row's sampling failed (its neighbours are unaffected)
+    logprobs: np.ndarray = col("float32", "R")
+    top_ids: np.ndarray = col("int32", "R", "N")
+    top_logprobs: np.ndarray = col("float32", "R", "N")
+
+
+SECTIONS = (StepInputs, SamplingColumns, StepOutputs)
+INPUT_SECTIONS = (StepInputs, SamplingColumns)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    dtype: np.dtype
+    dims: tuple[str, ...]
+
+
+def field_specs(section: type) -> list[FieldSpec]:
+    return [FieldSpec(f.name, f.metadata["dtype"], f.metadata["dims"]) for f in fields(section)]
+
+
+def all_fields(sections: tuple[type, ...] = SECTIONS) -> Iterator[tuple[type, FieldSpec]]:
+    for section in sections:
+        for spec in field_specs(section):
+            yield section, spec
+
+
+@dataclass
+class StepView:
+    """Numpy views of one step's live part of an arena (or of its full capacity)."""
+    inputs: StepInputs
+    sampling: SamplingColumns
+    outputs: StepOutputs
+
+    def section(self, cls: type) -> Any:
+        return {StepInputs: self.inputs, SamplingColumns: self.sampling, StepOutputs: self.outputs}[cls]
+
+
+# ------------------------------------------------------------------ server side: encode, read back
+@dataclass
+class RowInput:
+    seq_id: int
+    tokens: np.ndarray  # int32 query tokens of this step
+    start_pos: int  # position of tokens[0]
+    block_table: list[int]
+    sample: bool  # sample a token after the last query token
+    params: Any  # has the attributes named by SamplingColumns' `param`s (server.sampling_params.SamplingParams)
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class StepDims:
+    n_tokens: int
+    n_rows: int
+    width: int
+
+
+def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
+    """Encode rows into a full-capacity view (whole-array writes per field, not per row)."""
+    n = len(rows)
+    qlens = np.fromiter((len(r.tokens) for r in rows), np.int32, n)
+    n_tokens, width = int(qlens.sum()), max(len(r.block_table) for r in rows)
+    tables = np.zeros((n, width), np.int32)
+    for i, r in enumerate(rows):
+        tables[i, :len(r.block_table)] = r.block_table
+    # Each row's positions run on from its start.
+    row_of = np.repeat(np.arange(n), qlens)
+    first = np.cumsum(qlens) - qlens
+    pos = (np.fromiter((r.start_pos for r in rows), np.int32, n)[row_of]
+           + np.arange(n_tokens, dtype=np.int32) - first[row_of]).astype(np.int32)
+    x = view.inputs
+    x.tokens[:n_tokens] = np.concatenate([r.tokens for r in rows])
+    x.positions[:n_tokens] = pos
+    x.slots[:n_tokens] = tables[row_of, pos // block_size] * block_size + pos % block_size
+    x.query_lens[:n] = qlens
+    x.block_tables[:n, :width] = tables
+    x.seq_ids[:n] = [r.seq_id for r in rows]
+    x.sample[:n] = [int(r.sample) for r in rows]
+    for f in fields(SamplingColumns):
+        param, none = f.metadata["param"], f.metadata["none"]
+        values = ([getattr(r, f.name) for r in rows] if param is None else
+                  [none if getattr(r.params, param) is None else getattr(r.params, param) for r in rows])
+        getattr(view.sampling, f.name)[:n] = values
+
+
+def step_dims(rows: list[RowInput]) -> StepDims:
+    return StepDims(sum(len(r.tokens) for r in rows), len(rows), max(len(r.block_table) for r in rows))
+
+
+@dataclass(frozen=True)
+class RowOutput:
+    token: int  # -1: sampling failed for this row
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def read_row(out: StepOutputs, row: int, n_top: int) -> RowOutput:
+    top = list(zip(out.top_ids[row, :n_top].tolist(), out.top_logprobs[row, :n_top].tolist()))
+    return RowOutput(int(out.ids[row]), float(out.logprobs[row]), top)

@@ -1,0 +1,165 @@
+"""The agent protocol as deployed: `launch_agents` agents outlive the servers that attach to them
+(`#`, `e`, `r`), refuse a mismatched server and a second agent on their port, and leave no
+process, socket file or shared-memory segment behind. Real processes throughout."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from shm.arena import our_segments
+from tests.helpers import ROOT, ServerProcess, free_port, tiny_config
+
+PROMPT = "agents outlive servers"
+NEW = 12
+SERVERS: list[int] = []  # pids of every server this module started
+
+
+class Launcher:
+    """`launch_agents --config X` as a real child process, with its own runtime folder."""
+
+    def __init__(self, config: Path, env: dict[str, str]):
+        self.log = config.with_suffix(".launch.log")
+        self.proc = subprocess.Popen([sys.executable, "-m", "llm_serving.launch", "--config", str(config)], cwd=ROOT,
+                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 300
+        while "all agents started" not in self.log.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    def agent_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+
+def _server(config: Path, *args: str, env: dict[str, str]) -> ServerProcess:
+    srv = ServerProcess(config, *args, env=env)
+    SERVERS.append(srv.proc.pid)
+    return srv
+
+
+def _generate(url: str) -> list[int]:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW, "ignore_eos": True, "details": True}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def _run(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    runtime = tmp / "run"
+    runtime.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_SERVING_RUNTIME_DIR": str(runtime)}
+    config = tiny_config(tmp, tiny_model_dir, n_agents=2)
+    launcher = Launcher(config, env)
+    yield config, launcher, env, runtime
+    if launcher.proc.poll() is None:
+        os.killpg(launcher.proc.pid, signal.SIGKILL)
+
+
+def test_agents_outlive_servers_and_r_frees_them_from_a_stuck_one(deployment):
+    config, launcher, env, _ = deployment
+    agents = launcher.agent_pids()
+    assert len(agents) == 2
+    a = _server(config, "--attach", env=env)
+    want = _generate(a.url)
+    assert a.stop() in (0, 128 + signal.SIGTERM)  # detaches with `e`
+    assert launcher.agent_pids() == agents  # still up, not restarted
+
+    b = _server(config, "--attach", env=env)
+    assert _generate(b.url) == want
+    os.killpg(b.proc.pid, signal.SIGKILL)  # no `e`: the agents notice the dead pid themselves
+    b.proc.wait(10)
+
+    c = _server(config, "--attach", env=env)
+    assert _generate(c.url) == want
+    os.kill(c.proc.pid, signal.SIGSTOP)  # stuck, alive, still attached
+    try:
+        t0 = time.monotonic()
+        busy = _run("-m", "llm_serving.serve", "--config", str(config), "--attach", env=env)
+        assert busy.returncode == 1 and time.monotonic() - t0 < 30
+        assert f"attached to server pid {c.proc.pid}" in busy.stderr and "send r" in busy.stderr
+        d = _server(config, "--attach", "--reset-agents", env=env)  # `r` takes them over
+        assert _generate(d.url) == want
+        d.stop()
+    finally:
+        os.kill(c.proc.pid, signal.SIGCONT)
+        c.stop(signal.SIGKILL)
+    assert launcher.agent_pids() == agents
+
+
+def test_agent_client_speaks_the_protocol_with_the_same_tokens(deployment):
+    config, _, env, _ = deployment
+    got = _run("tools/agent_client.py", "--config", str(config), "--prompt", PROMPT, "--max-tokens", str(NEW),
+               "--ignore-eos", "--json", env=env)
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout)
+    assert [s["cmd"] for s in out["steps"]] == ["*"] + ["a"] * (NEW - 1)
+    srv = _server(config, "--attach", env=env)  # the client detached with `e`
+    try:
+        assert _generate(srv.url) == out["token_ids"]
+    finally:
+        srv.stop()
+
+
+def test_mismatched_geometry_is_refused_naming_both_values(deployment, tmp_path):
+    config, _, env, _ = deployment
+    doc = yaml.safe_load(config.read_text())
+    doc["pa_config"]["block_size"] = 8
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(doc))
+    r = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
+    assert r.returncode == 1
+    assert "geometry mismatch: server has block_size=8, agent has block_size=4" in r.stderr
+
+
+def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
+    config, launcher, env, _ = deployment
+    t0 = time.monotonic()
+    r = _run("-m", "llm_serving.launch", "--config", str(config), env=env)
+    assert r.returncode == 1 and time.monotonic() - t0 < 10
+    port = yaml.safe_load(config.read_text())["serving_config"]["agent_ports"][0]
+    assert f"port {port} in use by pid {launcher.agent_pids()[0]}" in r.stderr
+
+    srv = _server(config, "--attach", env=env)
+    try:
+        doc = yaml.safe_load(config.read_text())
+        doc["serving_config"]["agent_ports"] = [free_port()]  # would start a fresh agent...
+        second = tmp_path / "second.yaml"
+        second.write_text(yaml.safe_dump(doc))
+        t0 = time.monotonic()
+        r = _run("-m", "llm_serving.serve", "--config", str(second), env=env)  # ...but its HTTP port is taken
+        assert r.returncode == 1 and time.monotonic() - t0 < 5
+        assert f"HTTP port {doc['serving_config']['server_port']}" in r.stderr
+        doc["serving_config"]["server_port"] = free_port()
+        second.write_text(yaml.safe_dump(doc))
+        no_agent = _run("-m", "llm_serving.serve", "--config", str(second), "--attach", env=env)
+        assert no_agent.returncode == 1 and "no agent on port" in no_agent.stderr
+    finally:
+        srv.stop()
+
+
+def test_stopping_launch_agents_leaves_nothing_behind(deployment):
+    _, launcher, _, runtime = deployment
+    agents = launcher.agent_pids()
+    os.kill(launcher.proc.pid, signal.SIGTERM)
+    launcher.proc.wait(30)
+    time.sleep(0.5)
+    assert not [p for p in agents if Path(f"/proc/{p}").exists()]
+    assert list(runtime.iterdir()) == []  # no socket or lock file
+    assert len(SERVERS) >= 5
+    assert not [s for s in our_segments() if int(s.split("-")[1]) in SERVERS]

@@ -1,0 +1,60 @@
+"""Layering: common <- shm <- {server, agent} <- llm_serving (entry points) <- tools. The server never
+loads mindspore or agent code, and only shm/ knows the arena's fields by name."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from shm.step import SECTIONS
+from tests.helpers import ROOT
+
+ALLOWED = {  # package -> the project packages it may import (at module level or inside functions)
+    "common": set(),
+    "shm": {"common"},
+    "server": {"common", "shm"},
+    "agent": {"common", "shm"},
+    "llm_serving": {"common", "shm", "server", "agent"},
+}
+PACKAGES = {"common", "shm", "server", "agent", "llm_serving", "tools", "tests"}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_no_import_climbs_a_layer():
+    wrong = []
+    for pkg, allowed in ALLOWED.items():
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            bad = (_imports(path) & PACKAGES) - allowed - {pkg}
+            wrong += [f"{path.relative_to(ROOT)} imports {b}" for b in sorted(bad)]
+    assert wrong == []
+
+
+def test_importing_every_server_module_loads_neither_mindspore_nor_agent():
+    modules = sorted(f"server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
+    code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mindspore', 'agent', 'llm_serving')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_arena_field_is_named_by_a_string_outside_shm():
+    names = {f.name for section in SECTIONS for f in fields(section)}
+    hits = []
+    for pkg in ("server", "agent", "llm_serving", "common", "tools"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in names:
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno} [{node.slice.value!r}]")
+    assert hits == []
