@@ -105,6 +105,13 @@ def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any], proc
     return restart
 
 
+def _reap(procs: list, stop: threading.Event) -> None:
+    """Collect agents that died and are not restarted (a lane given up on): no zombies meanwhile."""
+    while not stop.wait(2.0):
+        for p in list(procs):
+            p.is_alive()  # waitpid(WNOHANG) on an exited child
+
+
 def _demo(url: str, model: str) -> None:
     import httpx
 
@@ -141,14 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     procs: list = []
     try:
         http = bind_http(cfg)
+        tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
         if not args.attach:
             procs = start_agents(cfg, args.config, overrides)
         clients = connect_agents(cfg, reset=args.reset_agents)
-    except (AgentStartError, AttachError, TimeoutError, OSError) as exc:
+        for c in clients:
+            if tok.vocab_size > c.info["vocab_size"]:
+                for c2 in clients:
+                    c2.close(detach=True)
+                raise AttachError(f"the tokenizer has {tok.vocab_size} ids, the model {c.info['vocab_size']}: "
+                                  "tokenizer.vocab_file does not belong to model_config.model_path")
+    except (AgentStartError, AttachError, TimeoutError, OSError, ValueError) as exc:
         log.error("%s", exc)
         stop_agents(procs)
         return 1
-    tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
     engine = Engine(cfg, tok, clients, restart=restarter(cfg, args.config, overrides, procs))
     engine.start()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg, tok), host=cfg.server_ip, port=cfg.server_port,
@@ -165,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
             _demo(url, cfg.model_name)
 
     threading.Thread(target=announce, daemon=True).start()
+    reaped = threading.Event()
+    threading.Thread(target=_reap, args=(procs, reaped), name="reaper", daemon=True).start()
     # uvicorn re-raises SIGTERM after its graceful shutdown; with a Python handler in place that
     # becomes SystemExit, so the cleanup below (unlinking shared memory, stopping agents) runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         server.run(sockets=[http])
     finally:
+        reaped.set()
         engine.shutdown()
         stop_agents(procs)
     return 0

@@ -22,6 +22,7 @@ from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
 from server.supervisor import Restart, Supervisor
 from server.tokenizer import TextTokenizer
+from shm import protocol as P
 from shm.step import read_row
 from shm.transport import AgentClient, AgentDead, AgentError
 
@@ -191,8 +192,11 @@ class Engine:
         except AgentDead:
             self._lane_down(lane, "agent died")
             return
-        except AgentError as exc:  # this step's requests fail with its reason; the others go on
-            lane.inflight = None
+        except AgentError as exc:
+            if exc.code == P.E_NOT_ATTACHED:  # another server took the agent over (`r`): recompute elsewhere
+                self._lane_down(lane, f"agent was taken over: {exc}", kill=False)
+                return
+            lane.inflight = None  # this step's requests fail with its reason; the others go on
             for p in plan or []:
                 self._end(p.seq.request, "error", f"step failed: {exc}")
             if exc.fatal:
@@ -256,8 +260,8 @@ class Engine:
         self.out.finish(req, reason, error)
 
     # ------------------------------------------------------------ supervision
-    def _lane_down(self, lane: AgentLane, why: str) -> None:
-        plan, seqs = self.supervisor.down(lane, why)
+    def _lane_down(self, lane: AgentLane, why: str, kill: bool = True) -> None:
+        plan, seqs = self.supervisor.down(lane, why, kill)
         for p in plan:
             if p.seq.aborted:
                 self._end(p.seq.request, "cancelled")

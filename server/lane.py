@@ -7,14 +7,16 @@ engine's restart brings a new agent, or FAILED after too many restarts in a row.
 from __future__ import annotations
 
 import enum
+import os
 import time
 
 import numpy as np
 
 from common.config import ServingConfig
 from server.scheduler import Planned, Scheduler, Sequence
+from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
-from shm.transport import AgentClient
+from shm.transport import AgentClient, AgentError
 
 
 class LaneState(enum.Enum):
@@ -66,22 +68,31 @@ class AgentLane:
     def poll(self, timeout_s: float) -> dict | None:
         """The reply to the step in flight, or None (none yet, or a heartbeat's). Raises AgentDead/AgentError."""
         if self.ping_pending:
-            if self.client.poll(timeout_s) is not None:
+            try:
+                reply = self.client.poll(timeout_s)
+            except AgentError:
                 self.ping_pending = False
+                raise
+            if reply is not None:
+                self.ping_pending = False
+                if reply[0].get("server_pid") != os.getpid():  # `r` from another server took the agent
+                    raise AgentError("the agent no longer serves this server (reset by another)", E_NOT_ATTACHED)
             return None
         return self.client.poll_step(timeout_s)
 
     def stuck(self, now: float) -> bool:
         return self.busy and now - self.sent_at > self.cfg.step_timeout_s
 
-    def go_down(self, why: str, now: float) -> tuple[list[Planned], list[Sequence]]:
-        """The agent is gone or stuck: kill what is left of it and start an empty KV pool.
-        Returns the step that was in flight and every sequence the lane held (to recompute)."""
+    def go_down(self, why: str, now: float, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
+        """The agent is gone or stuck (`kill`: kill what is left of it), or serves another server
+        now; start an empty KV pool. Returns the step in flight and every sequence the lane held
+        (to recompute)."""
         plan = self.inflight or []
         self.inflight, self.ping_pending, self.pending_free = None, False, []
         seqs = self.sched.drain()
         self.sched = Scheduler(self.cfg)
-        self.client.kill()
+        if kill:
+            self.client.kill()
         self.client.close(detach=False)
         self.state, self.down_since, self.why = LaneState.RECOVERING, now, why
         return plan, seqs

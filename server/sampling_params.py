@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shm.step import MAX_TOP_LOGPROBS
+from shm.step import MAX_TOP_LOGPROBS, check_params
 
 
 INT32_MAX = 2**31 - 1
@@ -16,6 +16,7 @@ class InvalidRequest(ValueError):
     """Bad client input: becomes an HTTP 4xx with a JSON body."""
 
 
+@check_params
 @dataclass
 class SamplingParams:
     max_new_tokens: int | None = 256  # None: as many as fit the context, up to the server's default

@@ -25,10 +25,10 @@ class Supervisor:
         self.cfg, self.lanes, self.restart = cfg, lanes, restart
         self.inbox, self.stop, self.metrics = inbox, stop, metrics
 
-    def down(self, lane: AgentLane, why: str) -> tuple[list[Planned], list[Sequence]]:
+    def down(self, lane: AgentLane, why: str, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
         """Take a lane down (restarting it if allowed); returns its step in flight and its sequences."""
         log.error("agent %d: %s", lane.index, why)
-        plan, seqs = lane.go_down(why, time.monotonic())
+        plan, seqs = lane.go_down(why, time.monotonic(), kill)
         if self.restart is not None and lane.restarts < self.cfg.max_agent_restarts:
             self._start(lane)
         else:

@@ -103,6 +103,16 @@ class StepView:
         return {StepInputs: self.inputs, SamplingColumns: self.sampling, StepOutputs: self.outputs}[cls]
 
 
+def check_params(cls: type) -> type:
+    """Class decorator for the server's sampling parameters: every column's `param` must be one of
+    its fields, so a misspelt or missing knob fails at import, not at the first step."""
+    names = {f.name for f in fields(cls)}
+    missing = [f.metadata["param"] for f in fields(SamplingColumns) if f.metadata["param"] not in (None, *names)]
+    if missing:
+        raise TypeError(f"{cls.__name__} lacks the sampling parameters {missing} the step contract encodes")
+    return cls
+
+
 # ------------------------------------------------------------------ server side: encode, read back
 @dataclass
 class RowInput:

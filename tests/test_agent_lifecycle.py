@@ -54,6 +54,15 @@ def _generate(url: str) -> list[int]:
     return [t["id"] for t in r.json()["details"]["tokens"]]
 
 
+def _other_http_port(config: Path) -> Path:
+    """The same deployment with its own HTTP port: a second server beside a stuck one."""
+    doc = yaml.safe_load(config.read_text())
+    doc["serving_config"]["server_port"] = free_port()
+    path = config.with_name(f"{config.stem}-{doc['serving_config']['server_port']}.yaml")
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 def _run(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -89,12 +98,19 @@ def test_agents_outlive_servers_and_r_frees_them_from_a_stuck_one(deployment):
     assert _generate(c.url) == want
     os.kill(c.proc.pid, signal.SIGSTOP)  # stuck, alive, still attached
     try:
+        other = _other_http_port(config)
         t0 = time.monotonic()
-        busy = _run("-m", "llm_serving.serve", "--config", str(config), "--attach", env=env)
+        busy = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
         assert busy.returncode == 1 and time.monotonic() - t0 < 30
         assert f"attached to server pid {c.proc.pid}" in busy.stderr and "send r" in busy.stderr
-        d = _server(config, "--attach", "--reset-agents", env=env)  # `r` takes them over
+        d = _server(other, "--attach", "--reset-agents", env=env)  # `r` takes them over
         assert _generate(d.url) == want
+        os.kill(c.proc.pid, signal.SIGCONT)  # C wakes up: its next heartbeat finds the agents gone
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{c.url}/health", timeout=10).json()["status"] == "ok":
+            assert time.monotonic() < deadline, "the woken server never noticed"
+            time.sleep(0.5)
+        assert _generate(d.url) == want  # and it did not kill D's agents
         d.stop()
     finally:
         os.kill(c.proc.pid, signal.SIGCONT)
@@ -125,6 +141,21 @@ def test_mismatched_geometry_is_refused_naming_both_values(deployment, tmp_path)
     r = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
     assert r.returncode == 1
     assert "geometry mismatch: server has block_size=8, agent has block_size=4" in r.stderr
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(deployment, tmp_path):
+    from tokenizers import Tokenizer
+
+    config, _, env, _ = deployment
+    doc = yaml.safe_load(config.read_text())
+    tok = Tokenizer.from_file(str(Path(doc["model_config"]["model_path"]) / "tokenizer.json"))
+    tok.add_special_tokens([f"<extra_{i}>" for i in range(40)])  # 300 ids against the model's 272
+    tok.save(str(tmp_path / "tokenizer.json"))
+    doc["tokenizer"] = {"vocab_file": str(tmp_path / "tokenizer.json")}
+    other = tmp_path / "big-vocab.yaml"
+    other.write_text(yaml.safe_dump(doc))
+    r = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
+    assert r.returncode == 1 and "the tokenizer has 300 ids, the model 272" in r.stderr
 
 
 def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
@@ -163,3 +194,20 @@ def test_stopping_launch_agents_leaves_nothing_behind(deployment):
     assert list(runtime.iterdir()) == []  # no socket or lock file
     assert len(SERVERS) >= 5
     assert not [s for s in our_segments() if int(s.split("-")[1]) in SERVERS]
+
+
+def test_agents_of_a_killed_llm_serving_exit_and_clean_up(tmp_path, tiny_model_dir):
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = {**os.environ, "LLM_SERVING_RUNTIME_DIR": str(runtime)}
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir), env=env)
+    [agent] = srv.agent_pids()
+    assert sorted(p.suffix for p in runtime.iterdir()) == [".lock", ".sock"]
+    srv.proc.kill()  # the server alone: its agent notices its launcher is gone
+    srv.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{agent}").exists() and "Z" not in Path(f"/proc/{agent}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the agent outlived the server that started it"
+        time.sleep(0.1)
+    time.sleep(0.3)
+    assert list(runtime.iterdir()) == []

@@ -58,3 +58,24 @@ def test_no_arena_field_is_named_by_a_string_outside_shm():
                 if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in names:
                     hits.append(f"{path.relative_to(ROOT)}:{node.lineno} [{node.slice.value!r}]")
     assert hits == []
+
+
+def test_a_sampling_knob_the_contract_encodes_must_exist_at_import():
+    from dataclasses import dataclass
+
+    import pytest
+
+    from shm.step import check_params
+
+    with pytest.raises(TypeError, match="top_p"):
+        @check_params
+        @dataclass
+        class Params:  # noqa: F841 - the decorator is what is tested
+            temperature: float = 0.0
+            top_k: int = 0
+            min_p: float = 0.0
+            repetition_penalty: float = 1.0
+            presence_penalty: float = 0.0
+            frequency_penalty: float = 0.0
+            seed: int | None = None
+            logprobs: int = 0
