@@ -12,14 +12,13 @@ import time
 import traceback
 from typing import Any
 
-import numpy as np
 import zmq
 
 from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
 from shm.endpoint import PortInUse, PortLock, agent_address
-from shm.step import StepDims, StepView
+from shm.step import StepDims, check_indices
 from shm.transport import load_step_frames
 
 log = logging.getLogger("llm_serving.agent")
@@ -37,6 +36,16 @@ class CommandError(RuntimeError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+def check_identity(info: dict[str, Any], h: dict[str, Any]) -> None:
+    """A server may attach only with our KV geometry and model (the name is informational)."""
+    for key, names in (("geometry", P.GEOMETRY_KEYS), ("model", P.MODEL_KEYS)):
+        for name in names:
+            ours, theirs = info[key][name], h[key][name]
+            if name != "name" and ours != theirs:
+                raise CommandError(P.E_MISMATCH, f"{key} mismatch: server has {name}={theirs!r}, agent has "
+                                                 f"{name}={ours!r} (start both from the same YAML and model)")
 
 
 class AgentServer:
@@ -76,18 +85,10 @@ class AgentServer:
         self.peer = self.server_pid = None
         self.runner.reset()
 
-    def _check_identity(self, h: dict[str, Any]) -> None:
-        for key, names in (("geometry", P.GEOMETRY_KEYS), ("model", P.MODEL_KEYS)):
-            for name in names:
-                ours, theirs = self.info[key][name], h[key][name]
-                if name != "name" and ours != theirs:
-                    raise CommandError(P.E_MISMATCH, f"{key} mismatch: server has {name}={theirs!r}, agent has "
-                                                     f"{name}={ours!r} (start both from the same YAML and model)")
-
     def _attach(self, peer: bytes, h: dict[str, Any]) -> dict[str, Any]:
         if self._attached_to_live_server() and peer != self.peer:
             raise CommandError(P.E_BUSY, f"attached to server pid {self.server_pid}; send r to take the agent over")
-        self._check_identity(h)
+        check_identity(self.info, h)
         self._detach(server_dead=self.segment is not None and not self._attached_to_live_server())
         spec = ArenaSpec.from_wire(h["spec"])
         if h["arena"]:
@@ -115,7 +116,8 @@ class AgentServer:
             if self.segment is None:
                 load_step_frames(self.arena, msg)
             v = self.arena.step(dims)
-            self._check_ranges(v)
+            rc = self.runner.rc
+            check_indices(v, self.runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
             self.runner.graph_for(v.inputs)
         except ValueError as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
@@ -125,16 +127,6 @@ class AgentServer:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else self.arena.output_frames(dims.n_rows)
         return {"model_s": model_s, "graph_compiles": self.runner.graph_compiles}, frames
-
-    def _check_ranges(self, v: StepView) -> None:
-        rc, vocab, x = self.runner.rc, self.runner.cfg.vocab_size, v.inputs
-        checks = (("tokens", x.tokens, vocab), ("slots", x.slots, rc.num_blocks * rc.block_size),
-                  ("block_tables", x.block_tables, rc.num_blocks), ("positions", x.positions, rc.max_model_len))
-        for name, a, bound in checks:
-            if a.size and (a.min() < 0 or a.max() >= bound):
-                raise ValueError(f"{name} out of range [0, {bound})")
-        if np.any(v.sampling.n_logprobs > v.outputs.top_ids.shape[1]):
-            raise ValueError("n_logprobs above the maximum")
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
         """Never raises: malformed input or a failed command becomes an error reply."""

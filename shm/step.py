@@ -113,6 +113,18 @@ def check_params(cls: type) -> type:
     return cls
 
 
+def check_indices(v: StepView, vocab: int, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Agent side: every index a step carries lies inside the model and the KV pool (else ValueError)."""
+    x = v.inputs
+    checks = (("tokens", x.tokens, vocab), ("slots", x.slots, num_blocks * block_size),
+              ("block_tables", x.block_tables, num_blocks), ("positions", x.positions, max_model_len))
+    for name, a, bound in checks:
+        if a.size and (a.min() < 0 or a.max() >= bound):
+            raise ValueError(f"{name} out of range [0, {bound})")
+    if np.any(v.sampling.n_logprobs > MAX_TOP_LOGPROBS) or np.any(v.sampling.n_logprobs < 0):
+        raise ValueError(f"n_logprobs outside [0, {MAX_TOP_LOGPROBS}]")
+
+
 # ------------------------------------------------------------------ server side: encode, read back
 @dataclass
 class RowInput:

@@ -88,6 +88,23 @@ def test_arena_layout_is_identical_on_both_sides():
     assert a.full.sampling.temperature.dtype == np.float32  # never float16, unlike the original
 
 
+def test_port_lock_names_its_holder_and_stale_files_are_cleaned(tmp_path, monkeypatch):
+    from shm.endpoint import PortInUse, PortLock, clean_stale_endpoints, holder
+
+    monkeypatch.setenv("LLM_SERVING_RUNTIME_DIR", str(tmp_path))
+    lock = PortLock(5000)
+    with pytest.raises(PortInUse, match=f"port 5000 in use by pid {os.getpid()}"):
+        PortLock(5000)
+    assert holder(5000) == os.getpid() and clean_stale_endpoints() == []
+    lock.release()
+    assert holder(5000) is None and list(tmp_path.iterdir()) == []
+    # A SIGKILLed agent's files (nobody holds the lock), and an old socket without a lock file.
+    (tmp_path / "llm-serving-agent-5001.lock").write_text("123")
+    (tmp_path / "llm-serving-agent-5001.sock").touch()
+    (tmp_path / "llm-serving-agent-5002.sock").touch()
+    assert clean_stale_endpoints() == [5001, 5002] and list(tmp_path.iterdir()) == []
+
+
 @pytest.fixture()
 def agent(tmp_path, tiny_model_dir):
     path = tiny_config(tmp_path, tiny_model_dir)
