@@ -184,6 +184,8 @@ class ModelRunner:
         for seq in free:
             self.histories.pop(seq, None)
         x = v.inputs
+        if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
+            return 0.0
         self._track_histories(x, v.sampling, self._starts(x.query_lens, x.tokens.shape[0]))
         t0 = time.perf_counter()
         logits, lse = self.forward(x)
