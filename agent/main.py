@@ -246,7 +246,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
-            "device_id": cfg.start_device_id + index}
+            "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index}
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info, owner_pid)
     server.serve()
     if server.failed:

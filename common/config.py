@@ -22,7 +22,7 @@ class ServingConfig:
     model_name: str = "smollm2"
     model_path: str = "smollm2"
     model_cfg_path: str | None = None
-    max_generate_length: int = 2048
+    max_generate_length: int = 2048  # the original's cap on prompt + output tokens
     end_token: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
     # Token buckets of a packed step are the union of these two lists (capped by the step's most tokens).
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
@@ -86,6 +86,12 @@ class ServingConfig:
     @property
     def max_rows(self) -> int:
         return self.decode_buckets[-1] + self.max_prefill_rows
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Most tokens of a sequence (prompt + output): the KV context, capped by the original's
+        `max_generate_length`."""
+        return min(self.max_model_len, self.max_generate_length)
 
     @property
     def geometry(self) -> dict[str, int]:

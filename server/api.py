@@ -17,7 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.config import ServingConfig
 from server.engine import Delta, Engine, QueueFull, Request, Sink
-from server.params import openai_params, parse_json, tgi_params, to_bool
+from server import original_format as orig
+from server.params import ORIGINAL_MAX_NEW_TOKENS, openai_params, original_params, parse_json, tgi_params, to_bool
 from server.sampling_params import InvalidRequest, SamplingParams
 from server.tokenizer import TextTokenizer
 
@@ -43,7 +44,6 @@ class ApiError(Exception):
 
 def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI:
     app = FastAPI(title="llm-serving")
-    default_max = cfg.max_generate_length
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -58,9 +58,12 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         return await _api_error(request, ApiError(400, str(exc)))
 
     # ------------------------------------------------------------ core
-    def encode_prompt(text: Any, params: SamplingParams) -> list[int]:
-        """Token ids of a prompt, checked against the context; resolves the default max_new_tokens.
-        Runs in a worker thread (see `prepare`)."""
+    def encode_prompt(text: Any, params: SamplingParams, default_new: int | None) -> list[int]:
+        """Token ids of a prompt, checked against the context; resolves the default max_new_tokens
+        (`default_new`, or as many as fit). Runs in a worker thread (see `prepare`).
+
+        Two limits: the KV context (`decode_seq_length`: asking for more is a 400) and the original's
+        `max_generate_length` cap on prompt + output (a request simply ends there with "length")."""
         if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
             ids = text  # OpenAI and TGI accept token ids
         elif isinstance(text, str) and text:
@@ -75,20 +78,21 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
             raise InvalidRequest("the prompt must be a non-empty string")
         if any(t < 0 or t >= tok.vocab_size for t in ids):
             raise InvalidRequest("prompt token id out of range")
-        room = cfg.max_model_len - len(ids)
+        room = cfg.max_total_tokens - len(ids)
         if room < 1:
-            raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum is {cfg.max_model_len - 1}")
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum is {cfg.max_total_tokens - 1}")
         if params.max_new_tokens is None:
-            params.max_new_tokens = min(default_max, room)
-        elif params.max_new_tokens > room:
+            params.max_new_tokens = min(default_new or room, room)
+        elif len(ids) + params.max_new_tokens > cfg.max_model_len:
             raise InvalidRequest(f"this model's maximum context length is {cfg.max_model_len} tokens; the request "
                                  f"asks for {len(ids) + params.max_new_tokens} ({len(ids)} in the prompt, "
                                  f"{params.max_new_tokens} to generate)")
+        params.max_new_tokens = min(params.max_new_tokens, room)
         return ids
 
-    async def prepare(text: Any, params: SamplingParams) -> list[int]:
+    async def prepare(text: Any, params: SamplingParams, default_new: int | None = None) -> list[int]:
         """Tokenise off the event loop: other clients and /health answer while a huge prompt is read."""
-        return await asyncio.to_thread(encode_prompt, text, params)
+        return await asyncio.to_thread(encode_prompt, text, params, default_new)
 
     def prompt_text(prompt: Any, ids: list[int]) -> str:
         """The prompt as text, for return_full_text (token-id prompts are decoded)."""
@@ -158,37 +162,39 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     # ------------------------------------------------------------ original llm-serving API
+    def original_item(d: Delta) -> dict[str, Any]:
+        return orig.token_item(d.token_id, d.logprob, tok.is_special(d.token_id), d.text)
+
     async def original(http: HttpRequest, model: str, force_stream: bool | None) -> Response:
         b = await body_of(http)
-        params, opts = tgi_params(b.get("parameters"))
+        params, opts = original_params(b.get("parameters"))
         streaming = force_stream if force_stream is not None else to_bool(b.get("stream", False), "stream")
-        prompt = b.get("inputs")
-        ids = await prepare(prompt, params)
+        ids = await prepare(b.get("inputs"), params, ORIGINAL_MAX_NEW_TOKENS)
         if not streaming:
             r = await collect(http, ids, params)
-            text = (prompt_text(prompt, ids) + r.text) if opts["return_full_text"] else r.text
-            return JSONResponse({"generated_text": text, "finish_reason": r.finish_reason,
-                                 "generated_tokens": len(r.tokens), "prompt_tokens": r.prompt_tokens,
-                                 "tokens": [token_json(t) for t in r.tokens]})
+            reply = orig.full_reply([original_item(t) for t in r.tokens], r.text, r.finish_reason)
+            return Response(orig.line(reply), media_type="application/json")
+        sse_protocol = opts["return_protocol"] == "sse"
 
         async def lines() -> AsyncIterator[str]:
-            full = ""
+            items, full = [], ""
             async for d in stream(http, ids, params):
-                full += d.text
                 if d.error:
-                    yield json.dumps({"event": "error", "data": [{"error": d.error}]}) + "\n"
+                    yield orig.line({"event": "error", "data": [{"error": d.error}]})
                     return
-                if d.token_id is not None or d.text:
-                    item = {"generated_text": d.text, "tokens": token_json(d)}
-                    yield json.dumps({"event": "message", "retry": 30000, "data": [item]}, ensure_ascii=False) + "\n"
-                if d.finish_reason:
-                    last = {"generated_text": (prompt_text(prompt, ids) + full) if opts["return_full_text"] else "",
-                            "finish_reason": d.finish_reason}
-                    if opts["return_full_text"]:
-                        yield json.dumps({"event": "message", "retry": 30000, "data": [last]},
-                                         ensure_ascii=False) + "\n"
+                if d.token_id is not None:
+                    items.append(original_item(d))
+                    full += d.text
+                    item = orig.stream_item(items[-1])
+                    yield orig.line(orig.event(item)) if sse_protocol else orig.plain_line(item)
+                if d.finish_reason and opts["return_full_text"]:
+                    if sse_protocol:
+                        yield orig.line(orig.event(orig.final_item(items, full, d.finish_reason)))
+                    else:
+                        yield orig.plain_line(orig.full_reply(items, full, d.finish_reason))
 
-        return StreamingResponse(await _primed(lines()), media_type="text/plain")
+        return StreamingResponse(await _primed(lines()),
+                                 media_type="text/event-stream" if sse_protocol else "text/plain")
 
     @app.post("/models/{model}/generate")
     async def orig_generate(model: str, http: HttpRequest) -> Response:
@@ -374,23 +380,34 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """Live counters for operators and benchmarks (the original's /serving/* keep their shapes)."""
+        return {"model_name": cfg.model_name, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+                "num_blocks": cfg.num_blocks, "agents": len(cfg.agent_ports), **engine.stats()}
+
     @app.get("/debug/trace")
     async def trace() -> dict[str, Any]:
         return engine.chrome_trace()
 
     @app.get("/serving/get_bs")
-    async def get_bs() -> dict[str, Any]:
-        return {"decode_batch_size": engine.stats()["running"]}
+    async def get_bs() -> Response:
+        return Response(orig.status_event(engine.stats()["running"]), media_type="text/event-stream")
 
     @app.get("/serving/get_request_numbers")
-    async def get_request_numbers() -> dict[str, Any]:
-        s = engine.stats()
-        return {"waiting": s["waiting"], "running": s["running"], "total": s["waiting"] + s["running"]}
+    async def get_request_numbers() -> Response:
+        return Response(orig.status_event(engine.stats()["waiting"]), media_type="text/event-stream")
 
     @app.get("/serving/get_serverd_model_info")
-    async def get_model_info() -> dict[str, Any]:
-        return {"model_name": cfg.model_name, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
-                "num_blocks": cfg.num_blocks, "agents": len(cfg.agent_ports), **engine.stats()}
+    async def get_model_info() -> Response:
+        """The original's fields and their derivation (seq_length[-1] x decode_batch_size[-1], ...);
+        the device and dtype are the ones in effect."""
+        info = {"docker_label": orig.docker_label(), "max_batch_total_tokens": cfg.prefill_buckets[-1] * cfg.max_running,
+                "max_concurrent_requests": engine.stats()["waiting"], "max_input_length": cfg.prefill_buckets[-1],
+                "max_total_tokens": cfg.max_running, "model_device_type": engine.device_type(),
+                "model_dtype": "float32", "model_id": cfg.model_name, "model_pipeline_tag": "text-generation",
+                "version": "2.3"}
+        return Response(orig.sse_event(info), media_type="text/event-stream")
 
     return app
 

@@ -89,6 +89,10 @@ class Engine:
             return "unhealthy", "engine thread stopped"
         return self.supervisor.health(time.monotonic())
 
+    def device_type(self) -> str:
+        """The device the agents run on, as they reported at attach."""
+        return str(self.lanes[0].client.info.get("device", "CPU"))
+
     def stats(self) -> dict[str, Any]:
         running = sum(len(lane.sched.running) for lane in self.lanes)
         waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()

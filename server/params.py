@@ -68,8 +68,9 @@ def _top_k(d: dict[str, Any]) -> int:
     return 0 if k == -1 else k  # vLLM's "off"
 
 
-def tgi_params(p: Any) -> tuple[SamplingParams, dict[str, Any]]:
-    """`parameters` of the original llm-serving and TGI APIs. Returns params and output options."""
+def tgi_params(p: Any, top_k: int = 0) -> tuple[SamplingParams, dict[str, Any]]:
+    """`parameters` of the TGI API (and, with the original's defaults, of the original's).
+    Returns params and output options."""
     if p is None:
         p = {}
     if not isinstance(p, dict):
@@ -79,7 +80,7 @@ def tgi_params(p: Any) -> tuple[SamplingParams, dict[str, Any]]:
     sp = SamplingParams(
         max_new_tokens=_num(p, "max_new_tokens", int, None),
         temperature=temperature if do_sample else 0.0,
-        top_k=_top_k(p) if do_sample else 0,
+        top_k=(0 if p.get("top_k") == -1 else _num(p, "top_k", int, top_k)) if do_sample else 0,
         top_p=_num(p, "top_p", float, 1.0) if do_sample else 1.0,
         min_p=_num(p, "min_p", float, 0.0) if do_sample else 0.0,
         repetition_penalty=_num(p, "repetition_penalty", float, 1.0),
@@ -91,6 +92,24 @@ def tgi_params(p: Any) -> tuple[SamplingParams, dict[str, Any]]:
         priority=_num(p, "priority", int, 0)).validate()
     opts = {"return_full_text": to_bool(p.get("return_full_text", False), "return_full_text"),
             "details": to_bool(p.get("details", True), "details")}
+    return sp, opts
+
+
+ORIGINAL_TOP_K = 3  # the original's default top_k when sampling
+ORIGINAL_MAX_NEW_TOKENS = 300
+
+
+def original_params(p: Any) -> tuple[SamplingParams, dict[str, Any]]:
+    """`parameters` of the original llm-serving API, with its defaults: top_k 3 when sampling,
+    return_protocol "sse", return_full_text and details off (max_new_tokens: ORIGINAL_MAX_NEW_TOKENS,
+    applied with the prompt's length known)."""
+    sp, opts = tgi_params(p, top_k=ORIGINAL_TOP_K)
+    p = p or {}
+    protocol = p.get("return_protocol", "sse")
+    if not isinstance(protocol, str):
+        raise InvalidRequest("return_protocol must be a string")
+    opts["return_protocol"] = protocol
+    opts["details"] = to_bool(p.get("details", False), "details")
     return sp, opts
 
 

@@ -26,7 +26,7 @@ def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -
     pa = {"num_blocks": serving.pop("num_blocks", 128), "block_size": serving.pop("block_size", 4),
           "decode_seq_length": serving.pop("decode_seq_length", 128)}
     doc = {
-        "model_config": {"model_name": "tiny", "model_path": str(model_dir), "max_generate_length": 24,
+        "model_config": {"model_name": "tiny", "model_path": str(model_dir), "max_generate_length": 128,
                          "seq_length": [16, 32], "decode_batch_size": [1, 4, 8], "prefill_batch_size": [2],
                          "zactivate_len": [64]},
         "serving_config": {"agent_ports": [free_port() for _ in range(n_agents)], "server_ip": "127.0.0.1",

@@ -87,12 +87,51 @@ def test_concurrent_streams_on_three_apis_equal_single_requests(server):
     assert len(results) == 3 * len(PROMPTS)
 
 
+ORIGINAL_KEYS = ["generated_text", "finish_reason", "generated_tokens", "prefill", "seed", "tokens", "top_tokens",
+                 "details"]
+
+
 def test_original_non_stream_shape_and_last_token(server):
     r = original_generate(server.url, "hello", new=5, return_full_text="True")
-    assert r["generated_text"].startswith("hello")
+    assert list(r) == ORIGINAL_KEYS  # the original's fields, in its order
     assert r["generated_tokens"] == 5 and r["finish_reason"] == "length"
-    assert "".join(t["text"] for t in r["tokens"]) == r["generated_text"][len("hello"):]  # last token included
+    # return_full_text never prepends the prompt in the original API; the last token is included
+    assert "".join(t["text"] for t in r["tokens"]) == r["generated_text"]
+    assert r["prefill"] == r["tokens"][:1] and r["top_tokens"] == [r["tokens"][:1]] and r["details"] is None
     assert all(t["logprob"] <= 0 for t in r["tokens"])
+
+
+def test_original_stream_as_the_contest_client_reads_it(server):
+    body = {"inputs": "contest", "parameters": {"max_new_tokens": 6, "do_sample": "False", "ignore_eos": "True",
+                                                "return_full_text": "True"}}
+    with httpx.stream("POST", f"{server.url}/models/llama2/generate_stream", json=body, timeout=60) as r:
+        texts = [json.loads(line)["data"][0]["generated_text"] for line in r.iter_lines() if line]
+    assert len(texts) == 7 and texts[-1] == "".join(texts[:-1])  # the last line: the whole generated text
+    plain = {**body, "parameters": {**body["parameters"], "return_protocol": "raw"}}
+    with httpx.stream("POST", f"{server.url}/models/llama2/generate_stream", json=plain, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data:{") for line in lines)
+    assert json.loads(lines[-1][5:])["generated_text"] == texts[-1]
+
+
+def test_original_default_length_is_capped_by_max_generate_length(server):
+    """No max_new_tokens: the original's 300, cut where prompt + output reach max_generate_length (128)."""
+    body = {"inputs": "x" * 100, "parameters": {"ignore_eos": "True"}}
+    r = httpx.post(f"{server.url}/models/tiny/generate", json=body, timeout=120).json()
+    assert r["generated_tokens"] == 128 - 100 and r["finish_reason"] == "length"
+
+
+def test_original_status_endpoints_are_server_sent_events(server):
+    for path, key in (("/serving/get_bs", "data"), ("/serving/get_request_numbers", "data")):
+        r = httpx.get(f"{server.url}{path}", timeout=10)
+        assert r.headers["content-type"].startswith("text/event-stream") and r.text.endswith("\r\n\r\n")
+        ev = json.loads(r.text.removeprefix("data: "))
+        assert ev["event"] == "message" and ev["retry"] == 30000 and isinstance(ev[key], int)
+    info = json.loads(httpx.get(f"{server.url}/serving/get_serverd_model_info", timeout=10).text.removeprefix("data: "))
+    assert list(info) == ["docker_label", "max_batch_total_tokens", "max_concurrent_requests", "max_input_length",
+                          "max_total_tokens", "model_device_type", "model_dtype", "model_id", "model_pipeline_tag",
+                          "version"]
+    assert info["model_id"] == "tiny" and info["max_input_length"] == 32 and info["model_device_type"] == "CPU"
 
 
 def test_openai_chat_with_official_client(server):
@@ -145,7 +184,7 @@ def test_bad_input_gets_4xx_json(server, path, body, raw):
 def _server_idle(url: str, timeout_s: float = 20) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = httpx.get(f"{url}/serving/get_serverd_model_info", timeout=10).json()
+        info = httpx.get(f"{url}/stats", timeout=10).json()
         if info["running"] == 0 and info["waiting"] == 0 and info["kv_usage"] == [0.0]:
             return info
         time.sleep(0.2)
@@ -157,7 +196,7 @@ def test_client_disconnect_cancels_and_frees_blocks(server):
     with httpx.stream("POST", f"{server.url}/generate_stream", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data:")
-        info = httpx.get(f"{server.url}/serving/get_serverd_model_info", timeout=10).json()
+        info = httpx.get(f"{server.url}/stats", timeout=10).json()
         assert info["running"] == 1 and info["kv_usage"][0] > 0
     _server_idle(server.url)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text

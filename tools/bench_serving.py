@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 def _server_stats(base: str) -> dict[str, Any] | None:
     """Our server's counters (None for peers, which lack the endpoint)."""
     try:
-        r = httpx.get(f"{base}/serving/get_serverd_model_info", timeout=10)
+        r = httpx.get(f"{base}/stats", timeout=10)
         return r.json() if r.status_code == 200 and "server_cpu_s" in r.json() else None
     except (httpx.HTTPError, ValueError):
         return None

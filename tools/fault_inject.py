@@ -125,7 +125,7 @@ def main() -> int:
     wall = time.monotonic() - t0
     info, deadline = {}, time.monotonic() + 60
     while time.monotonic() < deadline:
-        info = httpx.get(f"{url}/serving/get_serverd_model_info", timeout=10).json()
+        info = httpx.get(f"{url}/stats", timeout=10).json()
         if info["running"] == 0 and info["waiting"] == 0:
             break
         time.sleep(0.5)
