@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from common.config_keys import notices
+
 
 def _as_list(v: Any, default: list[int]) -> list[int]:
     if v is None:
@@ -20,24 +22,22 @@ def _as_list(v: Any, default: list[int]) -> list[int]:
 @dataclass
 class ServingConfig:
     model_name: str = "smollm2"
-    model_path: str = "smollm2"
-    model_cfg_path: str | None = None
+    model_path: str | None = None  # ours: a .gguf, a HF folder, a .ckpt; None = model_cfg_path's checkpoint, else smollm2
+    model_cfg_path: str | None = None  # a MindFormers model yaml (its load_checkpoint names the weights)
+    vocab_size: int | None = None  # when set, the model's must equal it (checked at attach)
     max_generate_length: int = 2048  # the original's cap on prompt + output tokens
     end_token: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
     # Token buckets of a packed step are the union of these two lists (capped by the step's most tokens).
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
-    pad_token_id: int = 0
-    batching_strategy: str = "continuous"
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
     agent_ip: str = "127.0.0.1"
     start_device_id: int = 0
     server_ip: str = "127.0.0.1"
     server_port: int = 8835
-    prefill_batch_waiting_time: float = 0.0
-    decode_batch_waiting_time: float = 0.0
+    prefill_batch_waiting_time: float = 0.0  # an idle agent holds a lone prompt this long for companions
     max_queue: int = 512  # waiting requests before 503
     max_num_batched_tokens: int = 0  # token budget per step; 0 = largest prefill bucket
     prefill_only_tokens: int = 0  # budget of a step while nothing decodes (prefill is faster in larger steps); 0 = the same
@@ -57,6 +57,7 @@ class ServingConfig:
     tokenizer_path: str | None = None
     compile_cache_dir: str = ".cache/mindspore"
     source: Path | None = None
+    notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)
 
     @property
     def token_budget(self) -> int:
@@ -126,6 +127,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     tk = doc.get("tokenizer", {}) or {}
     c = ServingConfig()
     c.source = Path(path) if path else None
+    c.notices = notices(doc)
     c.model_name = mc.get("model_name", c.model_name)
     c.model_path = mc.get("model_path", c.model_path)
     c.model_cfg_path = mc.get("model_cfg_path", c.model_cfg_path)
@@ -134,12 +136,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.prefill_buckets = _as_list(mc.get("seq_length"), c.prefill_buckets)
     c.decode_buckets = _as_list(mc.get("decode_batch_size"), c.decode_buckets)
     c.max_prefill_rows = max(_as_list(mc.get("prefill_batch_size"), [c.max_prefill_rows]))
-    # zactivate_len (the original's attention-width buckets) is accepted and unused: no graph depends on context length.
-    c.pad_token_id = int(mc.get("pad_token_id", c.pad_token_id))
-    c.batching_strategy = mc.get("batching_strategy", c.batching_strategy)
-    # The original ignored these two when set under model_config; we honour both places.
+    c.vocab_size = int(mc["vocab_size"]) if mc.get("vocab_size") is not None else None
+    # The original ignored model_config.batch_waiting_time; we honour both places.
     c.prefill_batch_waiting_time = float(sc.get("prefill_batch_waiting_time", mc.get("batch_waiting_time", 0.0)))
-    c.decode_batch_waiting_time = float(sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0.0)))
     for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir"):
         setattr(c, key, sc.get(key, getattr(c, key)))
     for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",

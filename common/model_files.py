@@ -6,6 +6,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 DEFAULT_MODEL = "smollm2"
 
 
@@ -27,9 +29,34 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
+def _from_mindformers_yaml(cfg_path: str) -> ModelFiles:
+    """The original's way: model_cfg_path is a MindFormers model yaml whose `load_checkpoint` names
+    the weights (a .ckpt, or a folder holding one). Anything missing is an error naming it, never a
+    fallback to another model."""
+    p = Path(cfg_path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"model_config.model_cfg_path {p} not found (the MindFormers model yaml whose "
+                                "load_checkpoint names the weights); or set model_config.model_path")
+    ckpt = (yaml.safe_load(p.read_text()) or {}).get("load_checkpoint")
+    if not ckpt:
+        raise ValueError(f"{p} has no load_checkpoint: name the checkpoint there, or set model_config.model_path")
+    c = Path(str(ckpt)).expanduser()
+    if c.is_dir():
+        found = sorted(c.rglob("*.ckpt"))
+        if len(found) != 1:
+            raise ValueError(f"load_checkpoint {c} of {p} holds {len(found)} .ckpt files; name one")
+        c = found[0]
+    if not c.is_file():
+        raise FileNotFoundError(f"checkpoint {c} (load_checkpoint of {p}) not found")
+    return ModelFiles("mindformers", c, p)
+
+
 def resolve_model(model_path: str | None, model_cfg_path: str | None = None) -> ModelFiles:
-    """`model_path` is "smollm2" (default), a .gguf file, a Hugging Face folder (config.json +
-    *.safetensors) or a MindFormers .ckpt (with `model_cfg_path` yaml)."""
+    """`model_path` is "smollm2", a .gguf file, a Hugging Face folder (config.json + *.safetensors)
+    or a MindFormers .ckpt (with `model_cfg_path` yaml). Without it, `model_cfg_path` alone names the
+    model as in the original (its load_checkpoint); without either, SmolLM2."""
+    if not model_path and model_cfg_path:
+        return _from_mindformers_yaml(model_cfg_path)
     if not model_path or model_path == DEFAULT_MODEL:
         return ModelFiles("gguf", _smollm2_gguf())
     p = Path(model_path).expanduser()

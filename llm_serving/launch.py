@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config)
+    for line in cfg.notices:
+        log.warning("config: %s", line)
     try:
         procs = start_agents(cfg, args.config, {})
     except AgentStartError as exc:

@@ -78,6 +78,17 @@ def connect_agents(cfg: ServingConfig, reset: bool = False) -> list[AgentClient]
     return clients
 
 
+def vocab_mismatch(cfg: ServingConfig, tokenizer: int, model: int) -> str | None:
+    """Why this tokenizer or YAML does not belong to the model, or None. A model's embedding may be
+    padded past its tokenizer (Qwen2: 151936 rows for 151665 ids), by a little."""
+    if cfg.vocab_size is not None and cfg.vocab_size != model:
+        return f"model_config.vocab_size is {cfg.vocab_size}, the model has {model}: the YAML describes another model"
+    if tokenizer > model or model - tokenizer > max(256, model // 50):
+        return (f"the tokenizer has {tokenizer} ids, the model {model}: tokenizer.vocab_file does not belong to "
+                "the model")
+    return None
+
+
 def bind_http(cfg: ServingConfig) -> socket.socket:
     """Take the HTTP port before anything slow starts: a busy port fails in a moment, not after the
     model has loaded. uvicorn serves on this very socket."""
@@ -136,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "server_ip", "server_port") if getattr(args, k)}
     cfg = load_config(args.config, **overrides)
+    for line in cfg.notices:
+        log.warning("config: %s", line)
     removed = clean_stale_segments()
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
@@ -152,12 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.attach:
             procs = start_agents(cfg, args.config, overrides)
         clients = connect_agents(cfg, reset=args.reset_agents)
-        for c in clients:
-            if tok.vocab_size > c.info["vocab_size"]:
-                for c2 in clients:
-                    c2.close(detach=True)
-                raise AttachError(f"the tokenizer has {tok.vocab_size} ids, the model {c.info['vocab_size']}: "
-                                  "tokenizer.vocab_file does not belong to model_config.model_path")
+        why = vocab_mismatch(cfg, tok.vocab_size, clients[0].info["vocab_size"])
+        if why:
+            for c in clients:
+                c.close(detach=True)
+            raise AttachError(why)
     except (AgentStartError, AttachError, TimeoutError, OSError, ValueError) as exc:
         log.error("%s", exc)
         stop_agents(procs)

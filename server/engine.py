@@ -108,7 +108,7 @@ class Engine:
                 # busy-spin while all agents recover). A live lane with sequences always gets a
                 # non-empty plan (scheduler liveness). Sleeping after every step's reply cost
                 # IDLE_WAIT_S between steps: 200 ms gaps, a third of an all-at-once run.
-                self._drain_inbox(block=not any(lane.busy or (lane.live and lane.sched.load) for lane in self.lanes))
+                self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
                 for lane in self.lanes:
                     if lane.live and not lane.busy:
@@ -126,9 +126,20 @@ class Engine:
                 self._end(req, "error", self.fatal)
             self.out.flush()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _idle_wait(self, now: float) -> float:
+        """How long the engine may sleep on its inbox: 0 while a live lane has work to launch or a
+        command in flight; else until the next batch window closes, at most IDLE_WAIT_S."""
+        wait = IDLE_WAIT_S
+        for lane in self.lanes:
+            if lane.busy:
+                return 0.0
+            if lane.live and lane.sched.load:
+                wait = min(wait, lane.sched.batch_hold(now))
+        return wait
+
+    def _drain_inbox(self, wait_s: float) -> None:
         try:
-            item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -171,6 +182,8 @@ class Engine:
         target.sched.add(req.seq)
 
     def _launch(self, lane: AgentLane, now: float) -> None:
+        if lane.sched.batch_hold(now) > 0:  # an idle lane collecting a prefill batch (short)
+            return
         preempted = lane.sched.preempted
         plan = lane.sched.schedule()
         if lane.sched.preempted > preempted:

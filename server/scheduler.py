@@ -114,6 +114,15 @@ class Scheduler:
                 return False
         return True
 
+    def batch_hold(self, now: float) -> float:
+        """Seconds to hold the first prefill of an idle lane for companions (the original's
+        `prefill_batch_waiting_time`): only while nothing runs and fewer than prefill_batch_size
+        prompts wait, and never past the window from the oldest arrival. 0: schedule now."""
+        window = self.cfg.prefill_batch_waiting_time
+        if window <= 0 or self.running or not self.waiting or len(self.waiting) >= self.cfg.max_prefill_rows:
+            return 0.0
+        return max(0.0, min(s.arrival for s in self.waiting) + window - now)
+
     def schedule(self) -> list[Planned]:
         plan: list[Planned] = []
         # Prefill runs ~30% faster per token in 512- than in 256-token steps (SmolLM2, 2 cores), but a

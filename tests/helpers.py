@@ -42,7 +42,7 @@ class ServerProcess:
     """`llm-serving --config X` as a real child process (it spawns its agents)."""
 
     def __init__(self, config: Path, *extra: str, timeout_s: float = 300, env: dict[str, str] | None = None):
-        self.config = yaml.safe_load(config.read_text())
+        self.config_path, self.config = config, yaml.safe_load(config.read_text())
         self.url = f"http://127.0.0.1:{self.config['serving_config']['server_port']}"
         self.log = config.with_suffix(".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(config), *extra],
@@ -71,3 +71,39 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+_HF_TO_MF = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+             "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+             "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
+
+
+def save_mindformers(tmp: Path, weights: dict) -> tuple[Path, Path]:
+    """The tiny model as a MindFormers checkpoint (MindFormers parameter names) and model yaml whose
+    load_checkpoint names it, as the original's model_cfg_path expects."""
+    import mindspore as ms
+
+    from tests.conftest import TINY
+
+    params = []
+    for name, arr in weights.items():
+        if name == "model.embed_tokens.weight":
+            mf = "model.tok_embeddings.embedding_weight"
+        elif name == "model.norm.weight":
+            mf = "model.norm_out.weight"
+        elif name == "lm_head.weight":
+            mf = name
+        else:
+            parts = name.split(".")
+            mf = f"model.layers.{parts[2]}.{_HF_TO_MF['.'.join(parts[3:-1])]}.weight"
+        params.append({"name": mf, "data": ms.Tensor(arr)})
+    ckpt = tmp / "llama.ckpt"
+    ms.save_checkpoint(params, str(ckpt))
+    cfg_yaml = tmp / "predict_llama_tiny.yaml"
+    cfg_yaml.write_text(yaml.safe_dump({"load_checkpoint": str(ckpt), "model": {"model_config": {
+        "hidden_size": TINY["hidden_size"], "num_layers": TINY["num_hidden_layers"],
+        "num_heads": TINY["num_attention_heads"], "n_kv_heads": TINY["num_key_value_heads"],
+        "vocab_size": TINY["vocab_size"], "rms_norm_eps": 1e-5, "seq_length": 512,
+        "bos_token_id": 256, "eos_token_id": 257}}}))
+    return ckpt, cfg_yaml

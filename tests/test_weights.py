@@ -4,41 +4,15 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import yaml
 
 from agent.weights import _unpermute, load_model, read_safetensors
 from common.model_files import ModelFiles
 from tests.conftest import TINY
+from tests.helpers import save_mindformers
 from tools.export_model import permute_qk
 
-_HF_TO_MF = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
-             "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
-             "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
-
-
 def test_mindformers_checkpoint_loads_by_name_mapping(tmp_path, tiny_weights):
-    import mindspore as ms
-
-    params = []
-    for name, arr in tiny_weights.items():
-        if name == "model.embed_tokens.weight":
-            mf = "model.tok_embeddings.embedding_weight"
-        elif name == "model.norm.weight":
-            mf = "model.norm_out.weight"
-        elif name == "lm_head.weight":
-            mf = name
-        else:
-            parts = name.split(".")
-            mf = f"model.layers.{parts[2]}.{_HF_TO_MF['.'.join(parts[3:-1])]}.weight"
-        params.append({"name": mf, "data": ms.Tensor(arr)})
-    ckpt = tmp_path / "llama.ckpt"
-    ms.save_checkpoint(params, str(ckpt))
-    cfg_yaml = tmp_path / "llama.yaml"
-    cfg_yaml.write_text(yaml.safe_dump({"model": {"model_config": {
-        "hidden_size": TINY["hidden_size"], "num_layers": TINY["num_hidden_layers"],
-        "num_heads": TINY["num_attention_heads"], "n_kv_heads": TINY["num_key_value_heads"],
-        "vocab_size": TINY["vocab_size"], "rms_norm_eps": 1e-5, "seq_length": 512}}}))
+    ckpt, cfg_yaml = save_mindformers(tmp_path, tiny_weights)
     cfg, w = load_model(ModelFiles("mindformers", ckpt, cfg_yaml))
     assert cfg.num_kv_heads == 2 and cfg.intermediate_size == TINY["intermediate_size"]
     assert set(w) == set(tiny_weights)

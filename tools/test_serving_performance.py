@@ -1,9 +1,21 @@
-"""Contest-compatible benchmark client (performance_serving/test_serving_performance.py).
+"""The 2024 contest's benchmark client (performance_serving/test_serving_performance.py), same flags
+and outputs, plus a summary and a precision mode.
 
-Sends X*T requests at about X per second (gaps 1/X with small jitter), streamed greedily to
-/models/llama2/generate_stream, prompts from an Alpaca-format JSON list (prompt = instruction + ":"
-+ input, max_new_tokens = token count of the reference output). Writes result_{X}_x.json and ends
-its log with `All Tasks Done; Exec Time is <s>` (the contest score).
+    python tools/test_serving_performance.py -X 2 -P 8835 -O ./out -T 750
+
+Sends X*T requests, gaps of about 1/X s (Poisson in milliseconds, as the original), each streamed
+greedily to /models/llama2/generate_stream with return_full_text; prompts from an Alpaca-format
+JSON list (`./alpaca_5010.json` by default; prompt = instruction + ":" + input, or the instruction
+alone), max_new_tokens = token count of the reference output. Logs each record and
+`Test Progress --> i/n` to ./testLog/test_performance_<time>.log, ends with
+`All Tasks Done; Exec Time is <s>` (the contest score) and writes <out>/result_<X>_x.json, then a
+summary (per-request latency, tokens, per-token latency, totals) to <out>/count_<X>.json.
+
+Token counts use ./tokenizer.model when present (the original's llama2 tokenizer), else the
+server's own tokenizer (POST /tokenize). `--make-sample FILE` writes a small Alpaca-format sample.
+Precision (the contest's check): `--precision-dump FILE` stores the top logprobs of fixed prompts
+every `--every` positions at batch size 1; `--precision-compare A B` passes when they agree within
+atol 5e-3 (numpy.allclose), as the contest compared logits with its baseline.
 """
 from __future__ import annotations
 
@@ -11,71 +23,186 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import numpy as np
 
-from tools.bench_serving import BenchRequest, send
-
-
-def load_requests(path: str, n: int, model_path: str) -> list[BenchRequest]:
-    from common.model_files import resolve_model
-    from server.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(resolve_model(model_path))
-    items = json.loads(Path(path).read_text())
-    out = []
-    for i in range(n):
-        it = items[i % len(items)]
-        prompt = it["instruction"] + ":" + it.get("input", "")
-        out.append(BenchRequest(prompt, len(tok.encode(prompt)), max(1, len(tok.encode(it["output"]))),
-                                ignore_eos=False))
-    return out
+DATASET = "./alpaca_5010.json"
+ATOL = 5e-3
+LOG = logging.getLogger("test_llama")
 
 
-async def run(reqs: list[BenchRequest], rate: float, port: int, model: str) -> tuple[list[dict], float]:
-    base = f"http://127.0.0.1:{port}"
-    rng = random.Random(0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0),
-                                 limits=httpx.Limits(max_connections=len(reqs) + 1)) as client:
-        async def one(r: BenchRequest) -> dict:
-            res = await send(client, "original", base, model, r)
-            return {"input": r.prompt, "resp_text": res.text, "res_time": res.latency,
-                    "first_token_time": res.ttft, "output_tokens": res.output_tokens, "error": res.error}
+def prompt_of(item: dict[str, Any]) -> str:
+    return item["instruction"] + ":" + item["input"] if item.get("input") else item["instruction"]
 
-        t0 = time.perf_counter()
+
+def token_counter(base: str) -> Any:
+    """len(tokens) of a text: the original's ./tokenizer.model if present, else the server's tokenizer."""
+    if Path("tokenizer.model").exists():
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file="tokenizer.model")
+        return lambda text: len(sp.encode(text))
+    return lambda text: len(httpx.post(f"{base}/tokenize", json={"inputs": text}, timeout=60).json())
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, new: int, progress: list[int], total: int) -> dict:
+    """The original's request: stream, return_full_text; the response is the last line's text."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": new, "do_sample": "False", "return_full_text": "True"}}
+    t0 = time.time()
+    first, texts, error = None, [], None
+    try:
+        async with client.stream("POST", url, json=body, headers={"Connection": "close"}) as r:
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if first is None:
+                    first = time.time() - t0
+                    LOG.info("first_token_time is %s", first)
+                texts.append(json.loads(line)["data"][0]["generated_text"])
+        if r.status_code != 200:
+            error = f"HTTP {r.status_code}"
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    res = {"input": prompt, "resp_text": texts[-1] if texts else "", "res_time": time.time() - t0,
+           "first_token_time": first, "output_tokens": max(0, len(texts) - 1)}
+    if error:
+        res["error"] = error
+    progress[0] += 1
+    LOG.info("%s\nTest Progress --> %d/%d", res, progress[0], total)
+    return res
+
+
+async def run(base: str, prompts: list[tuple[str, int]], x: float, n: int) -> tuple[list[dict], float]:
+    url = f"{base}/models/llama2/generate_stream"
+    interval = round(1 / x, 2)
+    rng = np.random.default_rng()
+    progress = [0]
+    LOG.info("Start send request, avg interval is %s", interval)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=httpx.Limits(max_connections=None)) as client:
+        t0 = time.time()
         tasks = []
-        for r in reqs:
-            tasks.append(asyncio.create_task(one(r)))
-            await asyncio.sleep(max(0.0, 1.0 / rate * (1 + rng.uniform(-0.1, 0.1))))
+        for i in range(n):
+            prompt, new = prompts[i % len(prompts)]
+            tasks.append(asyncio.create_task(one(client, url, prompt, new, progress, n)))
+            gap = rng.poisson(interval * 1000) / 1000
+            LOG.info("poisson random interval time is %ss", gap)
+            await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        return list(results), time.time() - t0
+
+
+def count(results: list[dict], elapsed: float) -> dict[str, Any]:
+    """The run in numbers: per request latency, output tokens, per-token latency; totals."""
+    ok = [r for r in results if "error" not in r]
+    toks = sum(r["output_tokens"] for r in ok)
+    per_token = [r["res_time"] / r["output_tokens"] for r in ok if r["output_tokens"]]
+    ttft = [r["first_token_time"] for r in ok if r["first_token_time"] is not None]
+    mean = (lambda v: round(float(np.mean(v)), 4) if v else None)
+    return {"requests": len(results), "failed": len(results) - len(ok), "exec_time_s": round(elapsed, 3),
+            "output_tokens": toks, "throughput_tok_s": round(toks / elapsed, 2) if elapsed else None,
+            "mean_latency_s": mean([r["res_time"] for r in ok]), "mean_first_token_s": mean(ttft),
+            "mean_per_token_latency_s": mean(per_token),
+            "per_request": [{"latency_s": round(r["res_time"], 4), "output_tokens": r["output_tokens"],
+                             "per_token_s": round(r["res_time"] / r["output_tokens"], 4) if r["output_tokens"] else None}
+                            for r in ok]}
+
+
+def make_sample(path: Path, n: int = 40) -> None:
+    """A deterministic Alpaca-format sample for smoke runs (the contest's alpaca_5010.json is not shipped)."""
+    topics = ["the ocean", "a city park", "solar power", "the moon", "bread", "a library", "rain", "chess"]
+    tasks = [("Write a short poem about {}.", ""), ("Give three facts about {}.", ""),
+             ("Summarise the text", "{} is something many people enjoy and talk about every day."),
+             ("Translate to French", "I like {}.")]
+    items = []
+    for i in range(n):
+        topic = topics[i % len(topics)]
+        instr, inp = tasks[i % len(tasks)]
+        out = " ".join([f"{topic.capitalize()} is worth a thought."] * (1 + i % 5))
+        items.append({"instruction": instr.format(topic), "input": inp.format(topic), "output": out})
+    path.write_text(json.dumps(items, ensure_ascii=False, indent=1))
+
+
+def precision_dump(base: str, items: list[dict], path: Path, every: int, new: int) -> None:
+    """Top-5 logprobs at positions 0, every, 2*every, ... of greedy continuations, one request at a time."""
+    dump = []
+    for it in items:
+        body = {"prompt": prompt_of(it), "max_tokens": new, "temperature": 0, "logprobs": 5, "ignore_eos": True}
+        lp = httpx.post(f"{base}/v1/completions", json=body, timeout=600).json()["choices"][0]["logprobs"]
+        dump.append({"prompt": body["prompt"], "positions": list(range(0, len(lp["top_logprobs"]), every)),
+                     "top": [sorted(lp["top_logprobs"][p].items()) for p in range(0, len(lp["top_logprobs"]), every)]})
+    path.write_text(json.dumps(dump, ensure_ascii=False))
+
+
+def precision_compare(a: Path, b: Path) -> bool:
+    da, db = json.loads(a.read_text()), json.loads(b.read_text())
+    if [d["prompt"] for d in da] != [d["prompt"] for d in db]:
+        raise SystemExit("the two dumps are of different prompts")
+    worst = 0.0
+    ok = True
+    for x, y in zip(da, db):
+        for ta, tb in zip(x["top"], y["top"]):
+            same = [t for t, _ in ta] == [t for t, _ in tb]
+            va, vb = np.array([v for _, v in ta]), np.array([v for _, v in tb])
+            close = same and np.allclose(va, vb, atol=ATOL)
+            worst = max(worst, float(np.abs(va - vb).max()) if same else float("inf"))
+            ok &= bool(close)
+    print(f"precision {'PASS' if ok else 'FAIL'}: max |difference| {worst:.2e} (atol {ATOL})")
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("-X", type=float, required=True, help="requests per second")
-    ap.add_argument("-P", type=int, default=8835, help="server port")
-    ap.add_argument("-O", default=".", help="output directory")
-    ap.add_argument("-T", type=float, required=True, help="seconds of arrivals (X*T requests)")
-    ap.add_argument("--dataset", required=True, help="Alpaca-format JSON list")
-    ap.add_argument("--model", default="llama2", help="model name in the URL")
-    ap.add_argument("--model-path", default="smollm2", help="tokenizer source for max_new_tokens")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-X", "--qps", type=float, help="requests per second")
+    ap.add_argument("-P", "--port", default="8835", help="server port")
+    ap.add_argument("-O", "--out_dir", default=".", help="dir for saving results")
+    ap.add_argument("-T", "--test_time", type=int, default=3600, help="seconds of arrivals (X*T requests)")
+    ap.add_argument("--dataset", default=DATASET, help=f"Alpaca-format JSON list (default {DATASET})")
+    ap.add_argument("--host", default="localhost")
+    ap.add_argument("--make-sample", metavar="FILE", help="write a small Alpaca-format sample and exit")
+    ap.add_argument("--precision-dump", metavar="FILE", help="dump top logprobs of the first --prompts records")
+    ap.add_argument("--precision-compare", nargs=2, metavar=("A", "B"), help="compare two dumps (atol 5e-3)")
+    ap.add_argument("--prompts", type=int, default=5, help="precision: records to use")
+    ap.add_argument("--every", type=int, default=100, help="precision: every n-th generated position")
+    ap.add_argument("--max-new-tokens", type=int, default=300, help="precision: tokens per prompt")
     args = ap.parse_args(argv)
-    out_dir = Path(args.O)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
-                        handlers=[logging.StreamHandler(), logging.FileHandler(out_dir / f"test_{args.X:g}.log")])
-    reqs = load_requests(args.dataset, int(args.X * args.T), args.model_path)
-    results, elapsed = asyncio.run(run(reqs, args.X, args.P, args.model))
-    (out_dir / f"result_{args.X:g}_x.json").write_text(json.dumps(results, ensure_ascii=False, indent=1))
-    failed = sum(1 for r in results if r["error"])
-    logging.info("requests: %d, failed: %d", len(results), failed)
-    logging.info("All Tasks Done; Exec Time is %.3f", elapsed)
-    return 1 if failed else 0
+    if args.make_sample:
+        make_sample(Path(args.make_sample))
+        print(f"wrote {args.make_sample}")
+        return 0
+    if args.precision_compare:
+        return 0 if precision_compare(*map(Path, args.precision_compare)) else 1
+    base = f"http://{args.host}:{args.port}"
+    if not Path(args.dataset).exists():
+        print(f"{args.dataset} not found: pass --dataset FILE (an Alpaca-format JSON list of instruction/input/"
+              f"output), or make a small sample with --make-sample {args.dataset}", file=sys.stderr)
+        return 2
+    items = json.loads(Path(args.dataset).read_text())
+    if args.precision_dump:
+        precision_dump(base, items[:args.prompts], Path(args.precision_dump), args.every, args.max_new_tokens)
+        print(f"wrote {args.precision_dump}")
+        return 0
+    if args.qps is None:
+        ap.error("-X/--qps is required")
+    Path("testLog").mkdir(exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", handlers=[
+        logging.StreamHandler(), logging.FileHandler(f"testLog/test_performance_{time.strftime('%Y-%m-%d-%H_%M')}.log")])
+    n_tokens = token_counter(base)
+    prompts = [(prompt_of(it), max(1, n_tokens(it["output"]))) for it in items[:int(args.qps * args.test_time)]]
+    LOG.info("testcases length is %d", len(prompts))
+    results, elapsed = asyncio.run(run(base, prompts, args.qps, int(args.qps * args.test_time)))
+    LOG.info("All Tasks Done; Exec Time is %s", elapsed)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"result_{args.qps}_x.json").write_text(json.dumps(results))
+    summary = count(results, elapsed)
+    (out / f"count_{args.qps}.json").write_text(json.dumps(summary, indent=1))
+    LOG.info("count: %s", json.dumps({k: v for k, v in summary.items() if k != "per_request"}))
+    return 1 if summary["failed"] else 0
 
 
 if __name__ == "__main__":
