@@ -201,3 +201,52 @@ def test_bench_random_range_ratio_draws_lengths_in_range():
     assert all(len(r.prompt.split()) == r.prompt_len for r in reqs)
     fixed = random_dataset(5, 128, 128, seed=1)
     assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(128, 128)}
+
+
+def test_vocab_checks_allow_padding_and_refuse_another_model():
+    from llm_serving.serve import vocab_mismatch
+
+    cfg = ServingConfig()
+    assert vocab_mismatch(cfg, 151665, 151936) is None  # Qwen2: embedding padded past the tokenizer
+    assert vocab_mismatch(cfg, 260, 272) is None
+    assert "the tokenizer has 32000 ids, the model 49152" in vocab_mismatch(cfg, 32000, 49152)  # llama2 on SmolLM2
+    cfg.vocab_size = 32000
+    assert "model_config.vocab_size is 32000, the model has 49152" in vocab_mismatch(cfg, 49152, 49152)
+
+
+def test_prefill_batch_window_holds_an_idle_lane_briefly():
+    from server.scheduler import Scheduler, Sequence
+
+    cfg = ServingConfig(prefill_batch_waiting_time=0.05, max_prefill_rows=2)
+    s = Scheduler(cfg)
+    assert s.batch_hold(0.0) == 0.0  # nothing waits
+    s.add(Sequence([1, 2, 3], SamplingParams(max_new_tokens=4), arrival=10.0))
+    assert s.batch_hold(10.01) == pytest.approx(0.04)  # a lone prompt waits for a companion...
+    assert s.batch_hold(10.06) == 0.0  # ...never past the window
+    s.add(Sequence([4, 5], SamplingParams(max_new_tokens=4), arrival=10.02))
+    assert s.batch_hold(10.03) == 0.0  # a full prefill batch goes at once
+    assert ServingConfig().prefill_batch_waiting_time == 0.0  # off by default
+
+
+def test_unknown_and_unhonoured_config_keys_are_named(tmp_path):
+    from common.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model_config:\n  batching_strategy: static\n  model_dtype: float16\n  mystery: 1\n"
+                    "serving_config:\n  decode_batch_waiting_time: 0.5\nextra_section: {}\n")
+    notes = load_config(path).notices
+    assert any("unknown key model_config.mystery" in n for n in notes)
+    assert any("unknown section 'extra_section'" in n for n in notes)
+    assert any("batching_strategy 'static'" in n for n in notes)
+    assert any("model_dtype 'float16'" in n for n in notes)
+    assert any("decode steps never wait" in n for n in notes)
+
+
+def test_docs_config_lists_every_key():
+    from pathlib import Path
+
+    from common.config_keys import HONOURED, IGNORED
+
+    doc = (Path(__file__).parent.parent / "docs/config.md").read_text()
+    keys = {k for ks in HONOURED.values() for k in ks} | {k or s for s, k in IGNORED}
+    assert [k for k in sorted(keys) if f"`{k}`" not in doc and f"`{k}`," not in doc] == []
