@@ -1,5 +1,6 @@
-"""Our SentencePiece reader (no sentencepiece/protobuf at run time) against the sentencepiece
-library itself, on BPE and Unigram models trained here: same ids, same text back."""
+"""Our SentencePiece tokenizer (the model file read with the sentencepiece package, converted to a
+`tokenizers` Tokenizer) against the sentencepiece library's own encoder, on BPE and Unigram models
+trained here: same ids, same text back."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import pytest
 from common.model_files import ModelFiles
 from server.tokenizer import load_tokenizer
 
-spm = pytest.importorskip("sentencepiece")
+import sentencepiece as spm
 
 CORPUS = [
     "The capital of France is Paris. The Eiffel Tower was finished in 1889.",
