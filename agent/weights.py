@@ -132,11 +132,25 @@ def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
 
 
 # ---------------------------------------------------------------- MindFormers checkpoint + yaml
+def mindformers_model_config(path: Path) -> dict:
+    """`model.model_config` of a MindFormers yaml. Read with mindformers' own MindFormerConfig when
+    it is installed (the `mindformers` extra: it resolves `base_config` inheritance), else as YAML."""
+    doc = yaml.safe_load(path.read_text()) or {}
+    if doc.get("base_config"):
+        try:
+            from mindformers import MindFormerConfig
+        except ImportError:
+            raise ValueError(f"{path} inherits base_config {doc['base_config']}: reading it needs mindformers "
+                             "(pip install '.[mindformers]')") from None
+        doc = MindFormerConfig(str(path))
+        return dict(doc.model.model_config)
+    return doc.get("model", {}).get("model_config", doc.get("model_config", doc))
+
+
 def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
     import mindspore as ms
 
-    doc = yaml.safe_load(Path(files.cfg_path).read_text())
-    mc = doc.get("model", {}).get("model_config", doc.get("model_config", doc))
+    mc = mindformers_model_config(Path(files.cfg_path))
     hidden, heads = mc["hidden_size"], mc["num_heads"]
     ckpt = {k: v.asnumpy().astype(np.float32) for k, v in ms.load_checkpoint(str(files.path)).items()}
     weights: Weights = {}

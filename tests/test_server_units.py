@@ -250,3 +250,11 @@ def test_docs_config_lists_every_key():
     doc = (Path(__file__).parent.parent / "docs/config.md").read_text()
     keys = {k for ks in HONOURED.values() for k in ks} | {k or s for s, k in IGNORED}
     assert [k for k in sorted(keys) if f"`{k}`" not in doc and f"`{k}`," not in doc] == []
+
+
+def test_shipped_configs_need_no_warning():
+    from pathlib import Path
+
+    from common.config import load_config
+
+    assert load_config(Path(__file__).parent.parent / "configs/smollm2.yaml").notices == []

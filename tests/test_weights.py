@@ -69,3 +69,23 @@ def test_export_round_trips_through_our_loaders(tmp_path):
     ids = load_tokenizer(ModelFiles("gguf", tok_src)).encode(text)
     assert load_tokenizer(ModelFiles("hf", tmp_path)).encode(text) == ids
     assert load_tokenizer(ModelFiles("gguf", tmp_path / "m-f32.gguf")).encode(text) == ids
+
+
+def test_mindformers_yaml_with_base_config_needs_the_extra(tmp_path):
+    import importlib.util
+
+    import pytest
+    import yaml
+
+    from agent.weights import mindformers_model_config
+
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump({"model": {"model_config": {"hidden_size": 64}}}))
+    assert mindformers_model_config(plain) == {"hidden_size": 64}
+    child = tmp_path / "child.yaml"
+    child.write_text(yaml.safe_dump({"base_config": ["plain.yaml"], "model": {"model_config": {"num_layers": 3}}}))
+    if importlib.util.find_spec("mindformers") is None:
+        with pytest.raises(ValueError, match=r"needs mindformers \(pip install '.\[mindformers\]'\)"):
+            mindformers_model_config(child)
+    else:
+        assert mindformers_model_config(child) == {"hidden_size": 64, "num_layers": 3}
