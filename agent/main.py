@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -218,10 +219,41 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     except PortInUse as exc:
         log.error("%s", exc)
         sys.exit(4)
+    log_path = _quiet_console(index)
     try:
         _serve(cfg, index, owner_pid)
+    except Exception as exc:  # one line on the console; the traceback goes to the log
+        log.error("agent %d failed: %s: %s%s", index, type(exc).__name__, exc,
+                  f" (details: {log_path})" if log_path else "")
+        log.debug("%s", traceback.format_exc())
+        if log_path:
+            traceback.print_exc()
+        sys.exit(5)
     finally:
         lock.release()
+
+
+def _quiet_console(index: int) -> Path | None:
+    """MindSpore writes its own C++ log (compile-cache checks, "side effect nodes eliminated", ...)
+    to file descriptor 2, whatever GLOG says: point fd 2 at a log file per agent and keep our own
+    lines on the console (and in that file). `LLM_SERVING_VERBOSE=1` (`--verbose`) changes nothing."""
+    if os.environ.get("LLM_SERVING_VERBOSE"):
+        return None
+    path = Path(os.environ.get("LLM_SERVING_LOG_DIR", Path.home() / ".cache/llm-serving/logs")) / f"agent{index}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(console)
+    file_handler = logging.StreamHandler(sys.stderr)  # now the log file
+    file_handler.setFormatter(root.handlers[0].formatter if root.handlers else None)
+    root.addHandler(file_handler)
+    log.info("MindSpore's own log: %s", path)
+    return path
 
 
 def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
@@ -233,7 +265,10 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
 
     t0 = time.monotonic()
     files = resolve_model(cfg.model_path, cfg.model_cfg_path)
+    log.info("loading weights from %s", files.path)
     model_cfg, weights = load_model(files, cfg.max_model_len)
+    log.info("weights loaded in %.1fs (%d layers, hidden %d, vocab %d)", time.monotonic() - t0,
+             model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                       token_buckets=cfg.token_buckets, max_rows=cfg.max_running,
                       mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows)

@@ -125,7 +125,10 @@ def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="launch_agents", description=__doc__)
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
+    ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     args = ap.parse_args(argv)
+    if args.verbose:
+        os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config)
     for line in cfg.notices:

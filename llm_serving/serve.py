@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -143,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --attach: take over agents that another (stuck) server still holds (sends r)")
     ap.add_argument("--demo", action="store_true", help="send one chat request once ready and print the answer")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     args = ap.parse_args(argv)
+    if args.verbose:
+        os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "server_ip", "server_port") if getattr(args, k)}
     cfg = load_config(args.config, **overrides)

@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from common.config import ServingConfig
 from server.engine import Delta, Engine, QueueFull, Request, Sink
 from server import original_format as orig
-from server.params import ORIGINAL_MAX_NEW_TOKENS, openai_params, original_params, parse_json, tgi_params, to_bool
+from server.params import (ORIGINAL_MAX_NEW_TOKENS, chat_messages, openai_params, original_params, parse_json,
+                           tgi_params, to_bool)
 from server.sampling_params import InvalidRequest, SamplingParams
 from server.tokenizer import TextTokenizer
 
@@ -106,7 +107,8 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         try:
             engine.submit(req)
         except QueueFull as exc:
-            raise ApiError(503, f"server overloaded: {exc}", "overloaded", {"Retry-After": "1"}) from None
+            raise ApiError(503, f"server overloaded: {exc}", "overloaded",
+                           {"Retry-After": str(engine.retry_after_s())}) from None
         finished = False
 
         async def watch_disconnect() -> None:  # one watcher per request, not a timeout per token
@@ -216,8 +218,10 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
                 "tokens": toks}
 
     @app.post("/generate")
-    async def tgi_generate(http: HttpRequest) -> Response:
-        b = await body_of(http)
+    async def tgi_generate_route(http: HttpRequest) -> Response:
+        return await tgi_generate(http, await body_of(http))
+
+    async def tgi_generate(http: HttpRequest, b: dict[str, Any]) -> Response:
         params, opts = tgi_params(b.get("parameters"))
         ids = await prepare(b.get("inputs"), params)
         r = await collect(http, ids, params)
@@ -228,8 +232,10 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         return JSONResponse(out)
 
     @app.post("/generate_stream")
-    async def tgi_generate_stream(http: HttpRequest) -> Response:
-        b = await body_of(http)
+    async def tgi_generate_stream_route(http: HttpRequest) -> Response:
+        return await tgi_generate_stream(http, await body_of(http))
+
+    async def tgi_generate_stream(http: HttpRequest, b: dict[str, Any]) -> Response:
         params, opts = tgi_params(b.get("parameters"))
         ids = await prepare(b.get("inputs"), params)
 
@@ -251,6 +257,12 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
                            "details": tgi_details(d.finish_reason, n, params, []) if end else None})
 
         return StreamingResponse(await _primed(events()), media_type="text/event-stream")
+
+    @app.post("/")
+    async def tgi_root(http: HttpRequest) -> Response:
+        """TGI's compat route (what huggingface_hub's InferenceClient posts to): `stream` in the body picks."""
+        b = await body_of(http)
+        return await (tgi_generate_stream if to_bool(b.get("stream", False), "stream") else tgi_generate)(http, b)
 
     @app.get("/info")
     async def info() -> dict[str, Any]:
@@ -296,11 +308,7 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         b = await body_of(http)
         params = openai_params(b, chat)
         if chat:
-            msgs = b.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
-                raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
+            msgs = chat_messages(b.get("messages"))
             try:
                 prompt: Any = await asyncio.to_thread(tok.apply_chat_template, msgs, True)
             except Exception as exc:  # a template may raise on unexpected roles or order

@@ -8,9 +8,11 @@ live agent or on the restarted one; a request that waits past `recovery_deadline
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from common.config import ServingConfig
@@ -29,6 +31,16 @@ from shm.transport import AgentClient, AgentDead, AgentError
 __all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
 log = logging.getLogger("llm_serving.engine")
 IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this long per turn
+RETRY_AFTER_MAX_S = 600
+
+
+def drain_eta_s(queued: int, finished_at: list[float]) -> int:
+    """Seconds for `queued` requests to drain at the rate requests recently finished (monotonic end
+    times, oldest first): what a refused client should wait. 1 s while the rate is unknown."""
+    if len(finished_at) < 2 or finished_at[-1] <= finished_at[0]:
+        return 1
+    rate = (len(finished_at) - 1) / (finished_at[-1] - finished_at[0])
+    return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(queued / rate))))
 
 
 class QueueFull(RuntimeError):
@@ -57,6 +69,7 @@ class Engine:
         self.step_count = 0
         self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
+        self._finished_at: deque[float] = deque(maxlen=256)  # recent ends: the drain rate behind Retry-After
         self.supervisor = Supervisor(cfg, self.lanes, restart, self.inbox, self._stop, self.metrics)
 
     # ------------------------------------------------------------ API (any thread)
@@ -70,6 +83,12 @@ class Engine:
                 raise QueueFull(f"{self._queued} requests waiting (max_queue={self.cfg.max_queue})")
             self._queued += 1
         self.inbox.put(("add", req))
+
+    def retry_after_s(self) -> int:
+        """For a 503 when the queue is full (see `drain_eta_s`)."""
+        with self._lock:
+            queued = self._queued
+        return drain_eta_s(queued, list(self._finished_at))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -274,6 +293,7 @@ class Engine:
             if lane.live:
                 lane.pending_free.append(req.seq.seq_id)
         self.requests.pop(req.request_id, None)
+        self._finished_at.append(time.monotonic())
         self.out.finish(req, reason, error)
 
     # ------------------------------------------------------------ supervision

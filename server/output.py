@@ -44,7 +44,7 @@ class OutputProcessor:
             reason = "length"
         if reason:
             text += req.detok.finish()
-        self.emit(req, Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top]))
+        self.emit(req, Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top], finish_reason=reason))
         return reason
 
     def finish(self, req: Request, reason: str, error: str | None) -> None:
@@ -55,6 +55,9 @@ class OutputProcessor:
         n_out = len(req.seq.output) if req.seq else 0
         if req.first_token_at is not None and n_out > 1:
             self.metrics.tpot.observe((now - req.first_token_at) / (n_out - 1))
+        last = self._outbox[-1] if self._outbox else None
+        if last and last[0] is req.sink and last[1].token_id is not None and last[1].finish_reason == reason:
+            return  # its last token carried the end (TGI and OpenAI streams end on that token, not an empty event)
         self.emit(req, Delta(None, "", finish_reason=reason, error=error))
 
     def emit(self, req: Request, delta: Delta) -> None:

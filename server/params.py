@@ -137,3 +137,30 @@ def openai_params(b: dict[str, Any], chat: bool) -> SamplingParams:
         stop_token_ids=_int_list(b.get("stop_token_ids"), "stop_token_ids"),
         ignore_eos=to_bool(b.get("ignore_eos", False), "ignore_eos"), logprobs=logprobs or 0,
         priority=_num(b, "priority", int, 0)).validate()
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(msgs: Any) -> list[dict[str, str]]:
+    """OpenAI chat `messages` as {role, content} strings: content may be a string or a list of text
+    parts (`[{"type": "text", "text": ...}]`); roles outside OpenAI's are refused."""
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"unknown message role {m['role']!r} (one of {', '.join(CHAT_ROLES)})")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise InvalidRequest("content parts must be {\"type\": \"text\", \"text\": ...}; "
+                                     "other part types are not supported")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise InvalidRequest("message content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("LLM_SERVING_LOG", "WARNING")
+os.environ.setdefault("LLM_SERVING_LOG_DIR", tempfile.mkdtemp(prefix="llm-serving-logs-"))  # agents' MindSpore logs
 
 TINY = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,

@@ -258,3 +258,12 @@ def test_shipped_configs_need_no_warning():
     from common.config import load_config
 
     assert load_config(Path(__file__).parent.parent / "configs/smollm2.yaml").notices == []
+
+
+def test_retry_after_follows_the_queue_and_recent_throughput():
+    from server.engine import RETRY_AFTER_MAX_S, drain_eta_s
+
+    assert drain_eta_s(50, []) == 1  # nothing finished yet: unknown
+    assert drain_eta_s(50, [0.0, 1.0, 2.0, 3.0, 4.0]) == 50  # one request a second
+    assert drain_eta_s(50, [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]) == 5  # ten a second
+    assert drain_eta_s(10**6, [0.0, 100.0]) == RETRY_AFTER_MAX_S
