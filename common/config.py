@@ -48,6 +48,7 @@ class ServingConfig:
     recovery_deadline_s: float = 300.0  # a request waiting this long for a recovering agent fails
     max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
     warmup: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     # pa_config
     num_blocks: int = 1024
@@ -149,6 +150,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
         setattr(c, key, float(sc.get(key, getattr(c, key))))
     c.agent_ports = [int(p) for p in sc.get("agent_ports", c.agent_ports)]
     c.warmup = bool(sc.get("warmup", c.warmup))
+    c.enable_prefix_caching = bool(sc.get("enable_prefix_caching", c.enable_prefix_caching))
     c.agent_cores = [list(map(int, x)) for x in sc.get("agent_cores", [])]
     c.num_blocks = int(pa.get("num_blocks", c.num_blocks))
     c.block_size = int(pa.get("block_size", c.block_size))

@@ -21,6 +21,8 @@ class Metrics:
                                    registry=r)
         self.finished = Counter("llm_serving_requests_finished", "Finished requests", ["reason"], registry=r)
         self.prompt_tokens = Counter("llm_serving_prompt_tokens", "Prompt tokens", registry=r)
+        self.prefill_tokens = Counter("llm_serving_prefill_tokens_computed", "Prompt tokens the agents computed "
+                                      "(prompt tokens minus prefix-cache hits, plus recomputation)", registry=r)
         self.generation_tokens = Counter("llm_serving_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("llm_serving_preemptions", "Sequences preempted", registry=r)
         self.agent_restarts = Counter("llm_serving_agent_restarts", "Agents restarted after a crash or a stuck step",

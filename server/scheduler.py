@@ -52,7 +52,7 @@ class Planned:
 class Scheduler:
     def __init__(self, cfg: ServingConfig):
         self.cfg = cfg
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.max_running = cfg.max_running

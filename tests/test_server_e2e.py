@@ -9,9 +9,12 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
+from tests.conftest import tiny_model_config
+from tests.reference import reference_logits
 from tests.helpers import ServerProcess, tiny_config
 
 PROMPTS = ["hello world", "The quick brown fox", "a", "MindSpore serving test prompt"]
@@ -228,6 +231,27 @@ def test_client_disconnect_cancels_and_frees_blocks(server):
     _server_idle(server.url)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'llm_serving_requests_finished_total{reason="cancelled"} 1.0' in metrics
+
+
+def _counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_prefix_cache_computes_only_the_new_tokens(server, tiny_weights):
+    """A second prompt sharing a 40-token prefix (10 full blocks of 4) computes 3 tokens, not 43, and
+    its greedy tokens are the float64 reference's."""
+    prefix = list(range(60, 100))
+    httpx.post(f"{server.url}/generate", json={"inputs": prefix, "parameters": {"max_new_tokens": 4}}, timeout=60)
+    before = _counter(server.url, "llm_serving_prefill_tokens_computed_total")
+    ids = prefix + [5, 6, 7]
+    r = httpx.post(f"{server.url}/generate", json={"inputs": ids, "parameters": {
+        "max_new_tokens": 4, "ignore_eos": True, "details": True}}, timeout=60).json()
+    assert _counter(server.url, "llm_serving_prefill_tokens_computed_total") - before == 3
+    want = list(ids)
+    for _ in range(4):
+        want.append(int(np.argmax(reference_logits(tiny_model_config(), tiny_weights, want)[-1])))
+    assert [t["id"] for t in r["details"]["tokens"]] == want[len(ids):]
 
 
 def test_console_carries_only_our_lines(server):
