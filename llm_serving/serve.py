@@ -16,7 +16,7 @@ from common.config import ServingConfig, load_config
 from common.model_files import model_identity, resolve_model
 from llm_serving.launch import AgentStartError, respawn_agent, start_agents, stop_agents
 from server.engine import Engine
-from server.tokenizer import load_tokenizer
+from server.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
 from shm.arena import ArenaSpec, clean_stale_segments
 from shm.endpoint import agent_address, clean_stale_endpoints, holder, is_local
@@ -117,6 +117,32 @@ def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any], proc
     return restart
 
 
+START_ERRORS = (AgentStartError, AttachError, TimeoutError, OSError, ValueError)
+
+
+def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any], attach: bool = False,
+                 reset: bool = False) -> tuple[Engine, TextTokenizer, list]:
+    """Tokenizer, agents (started here unless `attach`), attachment, vocabulary check, and the engine
+    running: what the HTTP server and the offline API share. Raises one of START_ERRORS."""
+    procs: list = []
+    try:
+        tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
+        if not attach:
+            procs = start_agents(cfg, config_path, overrides)
+        clients = connect_agents(cfg, reset=reset)
+        why = vocab_mismatch(cfg, tok.vocab_size, clients[0].info["vocab_size"])
+        if why:
+            for c in clients:
+                c.close(detach=True)
+            raise AttachError(why)
+    except BaseException:
+        stop_agents(procs)
+        raise
+    engine = Engine(cfg, tok, clients, restart=restarter(cfg, config_path, overrides, procs))
+    engine.start()
+    return engine, tok, procs
+
+
 def _reap(procs: list, stop: threading.Event) -> None:
     """Collect agents that died and are not restarted (a lane given up on): no zombies meanwhile."""
     while not stop.wait(2.0):
@@ -162,24 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from server.api import build_app
 
-    procs: list = []
     try:
         http = bind_http(cfg)
-        tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
-        if not args.attach:
-            procs = start_agents(cfg, args.config, overrides)
-        clients = connect_agents(cfg, reset=args.reset_agents)
-        why = vocab_mismatch(cfg, tok.vocab_size, clients[0].info["vocab_size"])
-        if why:
-            for c in clients:
-                c.close(detach=True)
-            raise AttachError(why)
-    except (AgentStartError, AttachError, TimeoutError, OSError, ValueError) as exc:
+        engine, tok, procs = start_engine(cfg, args.config, overrides, args.attach, args.reset_agents)
+    except START_ERRORS as exc:
         log.error("%s", exc)
-        stop_agents(procs)
         return 1
-    engine = Engine(cfg, tok, clients, restart=restarter(cfg, args.config, overrides, procs))
-    engine.start()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg, tok), host=cfg.server_ip, port=cfg.server_port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     url = f"http://{cfg.server_ip}:{cfg.server_port}"

@@ -21,12 +21,10 @@ from server import original_format as orig
 from server.params import (ORIGINAL_MAX_NEW_TOKENS, chat_messages, openai_params, original_params, parse_json,
                            tgi_params, to_bool)
 from server.sampling_params import InvalidRequest, SamplingParams
+from server.prompts import encode_prompt
 from server.tokenizer import TextTokenizer
 
 DISCONNECT_POLL_S = 0.5
-# A prompt whose first max_model_len * 16 characters already make max_model_len tokens is refused
-# without tokenising the rest (a 5 MB prompt: milliseconds instead of seconds of a worker thread).
-PROBE_CHARS_PER_TOKEN = 16
 
 
 @dataclass
@@ -59,41 +57,9 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
         return await _api_error(request, ApiError(400, str(exc)))
 
     # ------------------------------------------------------------ core
-    def encode_prompt(text: Any, params: SamplingParams, default_new: int | None) -> list[int]:
-        """Token ids of a prompt, checked against the context; resolves the default max_new_tokens
-        (`default_new`, or as many as fit). Runs in a worker thread (see `prepare`).
-
-        Two limits: the KV context (`decode_seq_length`: asking for more is a 400) and the original's
-        `max_generate_length` cap on prompt + output (a request simply ends there with "length")."""
-        if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
-            ids = text  # OpenAI and TGI accept token ids
-        elif isinstance(text, str) and text:
-            probe = text[:cfg.max_model_len * PROBE_CHARS_PER_TOKEN]
-            if len(probe) < len(text) and len(tok.encode(probe)) >= cfg.max_model_len:
-                raise InvalidRequest(f"prompt is more than {cfg.max_model_len - 1} tokens, the maximum")
-            try:
-                ids = tok.encode(text)
-            except Exception:  # e.g. lone UTF-16 surrogates from a JSON escape
-                raise InvalidRequest("the prompt could not be tokenised (invalid Unicode?)") from None
-        else:
-            raise InvalidRequest("the prompt must be a non-empty string")
-        if any(t < 0 or t >= tok.vocab_size for t in ids):
-            raise InvalidRequest("prompt token id out of range")
-        room = cfg.max_total_tokens - len(ids)
-        if room < 1:
-            raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum is {cfg.max_total_tokens - 1}")
-        if params.max_new_tokens is None:
-            params.max_new_tokens = min(default_new or room, room)
-        elif len(ids) + params.max_new_tokens > cfg.max_model_len:
-            raise InvalidRequest(f"this model's maximum context length is {cfg.max_model_len} tokens; the request "
-                                 f"asks for {len(ids) + params.max_new_tokens} ({len(ids)} in the prompt, "
-                                 f"{params.max_new_tokens} to generate)")
-        params.max_new_tokens = min(params.max_new_tokens, room)
-        return ids
-
     async def prepare(text: Any, params: SamplingParams, default_new: int | None = None) -> list[int]:
         """Tokenise off the event loop: other clients and /health answer while a huge prompt is read."""
-        return await asyncio.to_thread(encode_prompt, text, params, default_new)
+        return await asyncio.to_thread(encode_prompt, tok, cfg, text, params, default_new)
 
     def prompt_text(prompt: Any, ids: list[int]) -> str:
         """The prompt as text, for return_full_text (token-id prompts are decoded)."""
