@@ -49,6 +49,7 @@ class ServingConfig:
     max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
     warmup: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before
+    request_log: str | None = None  # a JSON-lines file: every request's life-cycle timestamps
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     # pa_config
     num_blocks: int = 1024
@@ -140,7 +141,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.vocab_size = int(mc["vocab_size"]) if mc.get("vocab_size") is not None else None
     # The original ignored model_config.batch_waiting_time; we honour both places.
     c.prefill_batch_waiting_time = float(sc.get("prefill_batch_waiting_time", mc.get("batch_waiting_time", 0.0)))
-    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir"):
+    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log"):
         setattr(c, key, sc.get(key, getattr(c, key)))
     for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
                 "max_agent_restarts",

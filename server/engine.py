@@ -58,7 +58,8 @@ class Engine:
         eos = set(tokenizer.eos_token_ids) | set(cfg.end_token)
         for c in clients:
             eos |= set(c.info.get("eos_token_ids", []))
-        self.out = OutputProcessor(tokenizer, eos, cfg.max_model_len, self.metrics)
+        log_file = open(cfg.request_log, "a", buffering=1) if cfg.request_log else None  # line-buffered JSONL
+        self.out = OutputProcessor(tokenizer, eos, cfg.max_model_len, self.metrics, log_file)
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._queued = 0  # submitted, not yet scheduled (for backpressure); guarded by _lock
@@ -99,6 +100,8 @@ class Engine:
         self.thread.join(timeout=10)
         for lane in self.lanes:
             lane.client.close(detach=True)
+        if self.out.request_log is not None:
+            self.out.request_log.close()
 
     def health(self) -> tuple[str, str]:
         """("ok" | "recovering" | "unhealthy", reason)."""
@@ -217,8 +220,11 @@ class Engine:
                 if req.status is Status.QUEUED:  # first scheduled: leaves the bounded waiting queue
                     self._unqueue()
                     req.status = Status.RUNNING
-                    req.trace.append(("scheduled", now))
+                    req.first_scheduled_at = now
             lane.send_plan(plan)
+            for p in plan:
+                if p.seq.request.inference_begin_at is None:
+                    p.seq.request.inference_begin_at = lane.sent_at
         except AgentDead:
             self._lane_down(lane, "agent died")
 
@@ -260,6 +266,7 @@ class Engine:
         outputs = lane.client.arena.full.outputs
         for i, p in enumerate(plan):
             req = p.seq.request
+            req.inference_end_at = now
             if p.seq.aborted:
                 self._end(req, "cancelled")
             elif p.sample:

@@ -17,6 +17,14 @@ class Metrics:
         self.tpot = Histogram("llm_serving_time_per_output_token_seconds", "TPOT", buckets=_LAT, registry=r)
         self.e2e = Histogram("llm_serving_e2e_request_latency_seconds", "End-to-end latency", buckets=_LAT,
                              registry=r)
+        # A request's life cycle: arrival -> first scheduled -> first step sent -> last reply -> end.
+        self.waiting_time = Histogram("llm_serving_request_waiting_seconds", "Arrival to first scheduled",
+                                      buckets=_LAT, registry=r)
+        self.sched_to_inference = Histogram("llm_serving_request_scheduling_to_inference_seconds",
+                                            "First scheduled to its first step sent to an agent", buckets=_LAT,
+                                            registry=r)
+        self.inference_time = Histogram("llm_serving_request_inference_seconds",
+                                         "First step sent to the reply to its last step", buckets=_LAT, registry=r)
         self.step_time = Histogram("llm_serving_step_seconds", "Agent step time", ["kind"], buckets=_LAT,
                                    registry=r)
         self.finished = Counter("llm_serving_requests_finished", "Finished requests", ["reason"], registry=r)

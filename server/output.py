@@ -3,14 +3,36 @@ the fan-out to the HTTP event loops (one thread-safe wake-up per loop per engine
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
+from typing import TextIO
 
 from server.metrics import Metrics
 from server.request import Delta, Request, Sink
 from server.tokenizer import TextTokenizer
 
 MIN_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity; vLLM does the same)
+
+
+_EPOCH = time.time() - time.monotonic()  # monotonic -> wall clock, for the request log
+
+
+def request_record(req: Request, reason: str, n_out: int) -> str:
+    """One JSON line: every life-cycle timestamp (Unix seconds) and the derived durations."""
+    t = {"arrival": req.arrival, "first_scheduled": req.first_scheduled_at, "inference_begin": req.inference_begin_at,
+         "first_token": req.first_token_at, "inference_end": req.inference_end_at, "finished": req.finished_at}
+
+    def span(a: str, b: str) -> float | None:
+        return None if t[a] is None or t[b] is None else round(t[b] - t[a], 6)
+
+    rec = {"request_id": req.request_id, "finish_reason": reason, "prompt_tokens": len(req.prompt),
+           "output_tokens": n_out, **{k: None if v is None else round(v + _EPOCH, 6) for k, v in t.items()},
+           "waiting_s": span("arrival", "first_scheduled"),
+           "scheduling_to_inference_s": span("first_scheduled", "inference_begin"),
+           "inference_s": span("inference_begin", "inference_end"), "ttft_s": span("arrival", "first_token"),
+           "latency_s": span("arrival", "finished")}
+    return json.dumps(rec) + "\n"
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
@@ -23,8 +45,10 @@ def _finite(lp: float) -> float:
 
 
 class OutputProcessor:
-    def __init__(self, tok: TextTokenizer, eos: set[int], max_model_len: int, metrics: Metrics):
+    def __init__(self, tok: TextTokenizer, eos: set[int], max_model_len: int, metrics: Metrics,
+                 request_log: TextIO | None = None):
         self.tok, self.eos, self.max_model_len, self.metrics = tok, eos, max_model_len, metrics
+        self.request_log = request_log  # JSON lines, one per ended request (serving_config.request_log)
         self._outbox: list[tuple[Sink, Delta]] = []
 
     def token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]], now: float) -> str | None:
@@ -48,13 +72,21 @@ class OutputProcessor:
         return reason
 
     def finish(self, req: Request, reason: str, error: str | None) -> None:
-        now = time.monotonic()
-        req.trace.append(("finished", now))
-        self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(now - req.arrival)
+        now = req.finished_at = time.monotonic()
+        m = self.metrics
+        m.finished.labels(reason).inc()
+        m.e2e.observe(now - req.arrival)
         n_out = len(req.seq.output) if req.seq else 0
         if req.first_token_at is not None and n_out > 1:
-            self.metrics.tpot.observe((now - req.first_token_at) / (n_out - 1))
+            m.tpot.observe((now - req.first_token_at) / (n_out - 1))
+        if req.first_scheduled_at is not None:
+            m.waiting_time.observe(req.first_scheduled_at - req.arrival)
+            if req.inference_begin_at is not None:
+                m.sched_to_inference.observe(req.inference_begin_at - req.first_scheduled_at)
+                if req.inference_end_at is not None:
+                    m.inference_time.observe(req.inference_end_at - req.inference_begin_at)
+        if self.request_log is not None:
+            self.request_log.write(request_record(req, reason, n_out))
         last = self._outbox[-1] if self._outbox else None
         if last and last[0] is req.sink and last[1].token_id is not None and last[1].finish_reason == reason:
             return  # its last token carried the end (TGI and OpenAI streams end on that token, not an empty event)

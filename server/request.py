@@ -45,6 +45,11 @@ class Request:
     status: Status = Status.QUEUED
     seq: Sequence | None = None
     detok: IncrementalDetokenizer | None = None
-    first_token_at: float | None = None
     lane: int = -1  # index of the agent lane that holds its sequence
-    trace: list[tuple[str, float]] = field(default_factory=list)
+    # Life cycle (time.monotonic; None until reached): first in a planned step, that step sent to an
+    # agent, first token, the reply to its last step, its end.
+    first_scheduled_at: float | None = None
+    inference_begin_at: float | None = None
+    first_token_at: float | None = None
+    inference_end_at: float | None = None
+    finished_at: float | None = None

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,7 +24,8 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("e2e"), tiny_model_dir))
+    tmp = tmp_path_factory.mktemp("e2e")
+    srv = ServerProcess(tiny_config(tmp, tiny_model_dir, request_log=str(tmp / "requests.jsonl")))
     yield srv
     srv.stop()
 
@@ -252,6 +254,36 @@ def test_prefix_cache_computes_only_the_new_tokens(server, tiny_weights):
     for _ in range(4):
         want.append(int(np.argmax(reference_logits(tiny_model_config(), tiny_weights, want)[-1])))
     assert [t["id"] for t in r["details"]["tokens"]] == want[len(ids):]
+
+
+LIFECYCLE = ("llm_serving_request_waiting_seconds", "llm_serving_request_scheduling_to_inference_seconds",
+             "llm_serving_request_inference_seconds", "llm_serving_time_to_first_token_seconds",
+             "llm_serving_e2e_request_latency_seconds")
+
+
+def _histograms(url: str) -> dict[str, tuple[float, float]]:
+    return {name: (_counter(url, name + "_count"), _counter(url, name + "_sum")) for name in LIFECYCLE}
+
+
+def test_lifecycle_metrics_and_request_log(server):
+    before = _histograms(server.url)
+    threads = [threading.Thread(target=original_generate, args=(server.url, f"life {i}", 8)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = _histograms(server.url)
+    counts = {n: after[n][0] - before[n][0] for n in LIFECYCLE}
+    waiting, to_inference, inference, ttft, latency = (after[n][1] - before[n][1] for n in LIFECYCLE)
+    assert set(counts.values()) == {4}, counts
+    assert latency >= waiting + to_inference + inference and inference >= 0 and to_inference >= 0
+    assert latency >= ttft >= waiting
+    log = Path(server.config["serving_config"]["request_log"]).read_text().splitlines()
+    for rec in map(json.loads, log[-4:]):
+        assert rec["output_tokens"] == 8 and rec["finish_reason"] == "length"
+        assert rec["arrival"] <= rec["first_scheduled"] <= rec["inference_begin"] <= rec["first_token"]
+        assert rec["first_token"] <= rec["inference_end"] <= rec["finished"]
+        assert rec["latency_s"] >= rec["inference_s"] >= 0 and rec["latency_s"] >= rec["ttft_s"] >= 0
 
 
 def test_console_carries_only_our_lines(server):

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tools import lifecycle
+
 
 @dataclass
 class BenchRequest:
@@ -272,14 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     base = args.base_url.rstrip("/")
     for rate in rates:
-        before = _server_stats(base)
+        before, phases = _server_stats(base), lifecycle.snapshot(base)
         results, duration = asyncio.run(run_benchmark(reqs, args.backend, base, args.model,
                                                       rate, args.burstiness, args.max_concurrency, args.seed))
         s = summarize(results, duration)
         s["request_rate"] = rate
         _add_server_overhead(s, before, _server_stats(base))
+        s["server_breakdown"] = lifecycle.breakdown(phases, lifecycle.snapshot(base))
         summaries.append(s)
         print_table(s, f"rate {rate:g} req/s")
+        lifecycle.print_breakdown(s["server_breakdown"])
         if "server_cpu_per_step_ms" in s:
             print(f"server CPU per step: {s['server_cpu_per_step_ms']:.2f} ms = "
                   f"{s['server_cpu_share_of_step'] * 100:.1f}% of the mean step ({s['mean_step_ms']:.1f} ms)")
