@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.config import ServingConfig
 from server.engine import Delta, Engine, QueueFull, Request, Sink
+from server.http10 import Http10Buffering
 from server import original_format as orig
 from server.params import (ORIGINAL_MAX_NEW_TOKENS, chat_messages, openai_params, original_params, parse_json,
                            tgi_params, to_bool)
@@ -43,6 +44,7 @@ class ApiError(Exception):
 
 def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI:
     app = FastAPI(title="llm-serving")
+    app.add_middleware(Http10Buffering)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:

@@ -286,6 +286,24 @@ def test_lifecycle_metrics_and_request_log(server):
         assert rec["latency_s"] >= rec["inference_s"] >= 0 and rec["latency_s"] >= rec["ttft_s"] >= 0
 
 
+def test_http10_client_gets_a_framed_stream(server):
+    """HTTP/1.0 has no chunked encoding: a streamed reply comes whole with its Content-Length."""
+    import socket
+
+    body = json.dumps({"inputs": "old client", "parameters": {"max_new_tokens": 4, "ignore_eos": True}}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /generate_stream HTTP/1.0\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    headers = head.decode().lower()
+    assert "transfer-encoding" not in headers and f"content-length: {len(payload)}" in headers
+    assert payload.count(b"data:") == 4
+
+
 def test_console_carries_only_our_lines(server):
     """MindSpore's own C++ warnings go to the agent's log file, not to the user's console."""
     ours = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (agent\d+|llm_serving[\w.]*) [A-Z]+ |^llm-serving ready at ")
