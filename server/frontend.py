@@ -1,0 +1,130 @@
+"""What every HTTP dialect shares: reading a bounded JSON body, tokenising off the event loop,
+submitting to the engine and awaiting its events (cancelling on disconnect), and the error type
+handlers turn into 4xx/5xx JSON."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request as HttpRequest
+
+from common.config import ServingConfig
+from server.engine import Delta, Engine, QueueFull, Request, Sink
+from server.params import parse_json
+from server.prompts import encode_prompt
+from server.sampling_params import SamplingParams
+from server.tokenizer import TextTokenizer
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[Delta]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers or {}
+
+
+class Frontend:
+    def __init__(self, engine: Engine, cfg: ServingConfig, tok: TextTokenizer):
+        self.engine, self.cfg, self.tok = engine, cfg, tok
+
+    async def prepare(self, text: Any, params: SamplingParams, default_new: int | None = None) -> list[int]:
+        """Tokenise off the event loop: other clients and /health answer while a huge prompt is read."""
+        return await asyncio.to_thread(encode_prompt, self.tok, self.cfg, text, params, default_new)
+
+    def prompt_text(self, prompt: Any, ids: list[int]) -> str:
+        """The prompt as text, for return_full_text (token-id prompts are decoded)."""
+        return prompt if isinstance(prompt, str) else self.tok.decode(ids)
+
+    async def stream(self, http: HttpRequest, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta | None] = asyncio.Queue()  # None: the client disconnected
+        rid = uuid.uuid4().hex
+        req = Request(rid, ids, params, sink=Sink(loop, queue))
+        try:
+            self.engine.submit(req)
+        except QueueFull as exc:
+            raise ApiError(503, f"server overloaded: {exc}", "overloaded",
+                           {"Retry-After": str(self.engine.retry_after_s())}) from None
+        finished = False
+
+        async def watch_disconnect() -> None:  # one watcher per request, not a timeout per token
+            while not await http.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            queue.put_nowait(None)
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            while True:
+                d = await queue.get()
+                if d is None:  # the client went away
+                    return
+                if d.finish_reason:
+                    finished = True
+                yield d
+                if finished:
+                    return
+        finally:
+            watcher.cancel()
+            if not finished:  # client went away or the generator was closed: free its blocks
+                self.engine.abort(rid)
+
+    async def collect(self, http: HttpRequest, ids: list[int], params: SamplingParams) -> Result:
+        tokens, text, reason = [], "", "cancelled"
+        async for d in self.stream(http, ids, params):
+            if d.token_id is not None:
+                tokens.append(d)
+            text += d.text
+            if d.finish_reason:
+                reason = d.finish_reason
+                if d.error:
+                    raise ApiError(500, d.error, "server_error")
+        return Result(text, tokens, reason, len(ids))
+
+    async def body_of(self, http: HttpRequest) -> dict[str, Any]:
+        too_big = ApiError(413, f"request body is larger than {self.cfg.max_body_bytes} bytes", "payload_too_large")
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
+
+    def token_json(self, d: Delta) -> dict[str, Any]:
+        return {"id": d.token_id, "logprob": d.logprob, "special": self.tok.is_special(d.token_id or -1), "text": d.text}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def primed(gen: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Run a stream until its first item before the 200 is sent, so errors raised on submission
+    (queue full) still become proper 4xx/5xx responses instead of a broken stream."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = ""
+
+    async def rest() -> AsyncIterator[str]:
+        if first:
+            yield first
+        async for item in gen:
+            yield item
+
+    return rest()
