@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
 from server import routes_openai, routes_ops, routes_original, routes_tgi
+from server.body_limit import BodyLimit
 from server.engine import Engine
 from server.frontend import ApiError, Frontend
 from server.http10 import Http10Buffering
@@ -20,6 +23,7 @@ from server.tokenizer import TextTokenizer
 def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI:
     app = FastAPI(title="llm-serving")
     app.add_middleware(Http10Buffering)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -32,6 +36,17 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: HttpRequest, exc: InvalidRequest) -> JSONResponse:
         return await _api_error(request, ApiError(400, str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own errors (a body that is not JSON or not UTF-8, an unknown path) in our format."""
+        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        """A body that does not match its schema: 400 naming each field (FastAPI's default is 422)."""
+        why = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        return await _api_error(request, ApiError(400, f"invalid request: {why}"))
 
     front = Frontend(engine, cfg, tok)
     for module in (routes_original, routes_tgi, routes_openai, routes_ops):

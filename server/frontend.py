@@ -13,7 +13,6 @@ from fastapi import Request as HttpRequest
 
 from common.config import ServingConfig
 from server.engine import Delta, Engine, QueueFull, Request, Sink
-from server.params import parse_json
 from server.prompts import encode_prompt
 from server.sampling_params import SamplingParams
 from server.tokenizer import TextTokenizer
@@ -91,19 +90,6 @@ class Frontend:
                 if d.error:
                     raise ApiError(500, d.error, "server_error")
         return Result(text, tokens, reason, len(ids))
-
-    async def body_of(self, http: HttpRequest) -> dict[str, Any]:
-        too_big = ApiError(413, f"request body is larger than {self.cfg.max_body_bytes} bytes", "payload_too_large")
-        declared = http.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > self.cfg.max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return parse_json(b"".join(chunks))
 
     def token_json(self, d: Delta) -> dict[str, Any]:
         return {"id": d.token_id, "logprob": d.logprob, "special": self.tok.is_special(d.token_id or -1), "text": d.text}

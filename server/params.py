@@ -1,22 +1,9 @@
 """Request-body parsing for the three APIs into SamplingParams (strict, with clear 4xx messages)."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from server.sampling_params import InvalidRequest, SamplingParams
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise InvalidRequest("request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc.msg}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return body
 
 
 def to_bool(v: Any, name: str) -> bool:

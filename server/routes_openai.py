@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine import Delta
 from server.frontend import Frontend, primed, sse
+from server.schemas import ChatRequest, CompletionRequest, as_dict
 from server.params import chat_messages, openai_params, to_bool
 from server.sampling_params import InvalidRequest
 
@@ -39,8 +40,7 @@ def router(f: Frontend) -> APIRouter:
     def oa_reason(reason: str) -> str:
         return reason if reason in ("stop", "length") else "abort"
 
-    async def openai(http: HttpRequest, chat: bool) -> Response:
-        b = await f.body_of(http)
+    async def openai(http: HttpRequest, b: dict[str, Any], chat: bool) -> Response:
         params = openai_params(b, chat)
         if chat:
             msgs = chat_messages(b.get("messages"))
@@ -101,12 +101,12 @@ def router(f: Frontend) -> APIRouter:
         return StreamingResponse(await primed(chunks()), media_type="text/event-stream")
 
     @router.post("/v1/completions")
-    async def completions(http: HttpRequest) -> Response:
-        return await openai(http, chat=False)
+    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        return await openai(http, as_dict(body), chat=False)
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(http: HttpRequest) -> Response:
-        return await openai(http, chat=True)
+    async def chat_completions(body: ChatRequest, http: HttpRequest) -> Response:
+        return await openai(http, as_dict(body), chat=True)
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -10,6 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 from server import original_format as orig
 from server.engine import Delta
 from server.frontend import Frontend, primed
+from server.schemas import GenerateRequest, as_dict
 from server.params import ORIGINAL_MAX_NEW_TOKENS, original_params, to_bool
 
 
@@ -19,8 +20,7 @@ def router(f: Frontend) -> APIRouter:
     def original_item(d: Delta) -> dict[str, Any]:
         return orig.token_item(d.token_id, d.logprob, f.tok.is_special(d.token_id), d.text)
 
-    async def original(http: HttpRequest, model: str, force_stream: bool | None) -> Response:
-        b = await f.body_of(http)
+    async def original(http: HttpRequest, b: dict[str, Any], force_stream: bool | None) -> Response:
         params, opts = original_params(b.get("parameters"))
         streaming = force_stream if force_stream is not None else to_bool(b.get("stream", False), "stream")
         ids = await f.prepare(b.get("inputs"), params, ORIGINAL_MAX_NEW_TOKENS)
@@ -51,16 +51,17 @@ def router(f: Frontend) -> APIRouter:
                                  media_type="text/event-stream" if sse_protocol else "text/plain")
 
     @router.post("/models/{model}/generate")
-    async def orig_generate(model: str, http: HttpRequest) -> Response:
-        return await original(http, model, False)
+    async def orig_generate(model: str, body: GenerateRequest, http: HttpRequest) -> Response:
+        return await original(http, as_dict(body), False)
 
     @router.post("/models/{model}/generate_stream")
-    async def orig_generate_stream(model: str, http: HttpRequest) -> Response:
-        return await original(http, model, True)
+    async def orig_generate_stream(model: str, body: GenerateRequest, http: HttpRequest) -> Response:
+        return await original(http, as_dict(body), True)
 
     @router.post("/models/{model}")
-    async def orig_model(model: str, http: HttpRequest) -> Response:
-        return await original(http, model, None)
+    async def orig_model(model: str, body: GenerateRequest, http: HttpRequest) -> Response:
+        """`stream` in the body picks the mode."""
+        return await original(http, as_dict(body), None)
 
     @router.get("/serving/get_bs")
     async def get_bs() -> Response:

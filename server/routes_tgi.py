@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.frontend import Frontend, primed, sse
+from server.schemas import GenerateRequest, TokenizeRequest, as_dict
 from server.params import tgi_params, to_bool
 from server.sampling_params import InvalidRequest, SamplingParams
 
@@ -22,8 +23,8 @@ def router(f: Frontend) -> APIRouter:
                 "tokens": toks}
 
     @router.post("/generate")
-    async def tgi_generate_route(http: HttpRequest) -> Response:
-        return await tgi_generate(http, await f.body_of(http))
+    async def tgi_generate_route(body: GenerateRequest, http: HttpRequest) -> Response:
+        return await tgi_generate(http, as_dict(body))
 
     async def tgi_generate(http: HttpRequest, b: dict[str, Any]) -> Response:
         params, opts = tgi_params(b.get("parameters"))
@@ -36,8 +37,8 @@ def router(f: Frontend) -> APIRouter:
         return JSONResponse(out)
 
     @router.post("/generate_stream")
-    async def tgi_generate_stream_route(http: HttpRequest) -> Response:
-        return await tgi_generate_stream(http, await f.body_of(http))
+    async def tgi_generate_stream_route(body: GenerateRequest, http: HttpRequest) -> Response:
+        return await tgi_generate_stream(http, as_dict(body))
 
     async def tgi_generate_stream(http: HttpRequest, b: dict[str, Any]) -> Response:
         params, opts = tgi_params(b.get("parameters"))
@@ -63,9 +64,9 @@ def router(f: Frontend) -> APIRouter:
         return StreamingResponse(await primed(events()), media_type="text/event-stream")
 
     @router.post("/")
-    async def tgi_root(http: HttpRequest) -> Response:
+    async def tgi_root(body: GenerateRequest, http: HttpRequest) -> Response:
         """TGI's compat route (what huggingface_hub's InferenceClient posts to): `stream` in the body picks."""
-        b = await f.body_of(http)
+        b = as_dict(body)
         return await (tgi_generate_stream if to_bool(b.get("stream", False), "stream") else tgi_generate)(http, b)
 
     @router.get("/info")
@@ -75,11 +76,8 @@ def router(f: Frontend) -> APIRouter:
                 "max_batch_total_tokens": f.cfg.token_budget, "router": "llm-serving", "version": "0.1.0"}
 
     @router.post("/tokenize")
-    async def tokenize(http: HttpRequest) -> Any:
-        b = await f.body_of(http)
-        text = b.get("inputs")
-        if not isinstance(text, str):
-            raise InvalidRequest("inputs must be a string")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        text = body.inputs
         try:
             enc = await asyncio.to_thread(lambda: f.tok.tok.encode_batch([text], add_special_tokens=False)[0])
         except Exception:

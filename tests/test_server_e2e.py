@@ -304,6 +304,16 @@ def test_http10_client_gets_a_framed_stream(server):
     assert payload.count(b"data:") == 4
 
 
+def test_openapi_describes_every_request_body(server):
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
+    assert {"/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions",
+            "/models/{model}/generate", "/models/{model}/generate_stream", "/models/{model}"} <= set(posts)
+    assert all("requestBody" in op for op in posts.values())
+    params = spec["components"]["schemas"]["GenerationParameters"]["properties"]
+    assert {"do_sample", "max_new_tokens", "return_full_text", "return_protocol"} <= set(params)
+
+
 def test_console_carries_only_our_lines(server):
     """MindSpore's own C++ warnings go to the agent's log file, not to the user's console."""
     ours = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (agent\d+|llm_serving[\w.]*) [A-Z]+ |^llm-serving ready at ")
