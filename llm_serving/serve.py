@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "server_ip", "server_port") if getattr(args, k)}
+    started = time.monotonic()
     cfg = load_config(args.config, **overrides)
     for line in cfg.notices:
         log.warning("config: %s", line)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             if server.should_exit:
                 return
             threading.Event().wait(0.05)
-        print(f"llm-serving ready at {url}", flush=True)
+        print(f"llm-serving ready at {url} ({time.monotonic() - started:.1f}s)", flush=True)
         if args.demo:
             _demo(url, cfg.model_name)
 

@@ -199,6 +199,8 @@ def test_seeded_sampling_is_reproducible_over_http(server):
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None),
     ("/v1/completions", {"prompt": "x", "n": 2}, None),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, None),
     ("/v1/chat/completions", {"messages": []}, None),
     ("/generate", {"inputs": "x", "parameters": {"do_sample": "maybe"}}, None),
