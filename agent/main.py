@@ -219,7 +219,7 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     except PortInUse as exc:
         log.error("%s", exc)
         sys.exit(4)
-    log_path = _quiet_console(index)
+    log_path = _quiet_console(port)
     try:
         _serve(cfg, index, owner_pid)
     except Exception as exc:  # one line on the console; the traceback goes to the log
@@ -233,13 +233,14 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
         lock.release()
 
 
-def _quiet_console(index: int) -> Path | None:
+def _quiet_console(port: int) -> Path | None:
     """MindSpore writes its own C++ log (compile-cache checks, "side effect nodes eliminated", ...)
     to file descriptor 2, whatever GLOG says: point fd 2 at a log file per agent and keep our own
     lines on the console (and in that file). `LLM_SERVING_VERBOSE=1` (`--verbose`) changes nothing."""
     if os.environ.get("LLM_SERVING_VERBOSE"):
         return None
-    path = Path(os.environ.get("LLM_SERVING_LOG_DIR", Path.home() / ".cache/llm-serving/logs")) / f"agent{index}.log"
+    # Named by port: the port lock makes it this agent's alone (agent indexes repeat across deployments).
+    path = Path(os.environ.get("LLM_SERVING_LOG_DIR", Path.home() / ".cache/llm-serving/logs")) / f"agent-{port}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     console = os.fdopen(os.dup(2), "w", buffering=1)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
