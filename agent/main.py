@@ -261,28 +261,36 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
     from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
+    from agent.calibrate import CALIBRATION_TEXT
     from agent.weights import load_model
     from common.model_files import model_identity, resolve_model
+    from common.tokenizer import load_tokenizer
 
     t0 = time.monotonic()
     files = resolve_model(cfg.model_path, cfg.model_cfg_path)
     log.info("loading weights from %s", files.path)
-    model_cfg, weights = load_model(files, cfg.max_model_len)
+    int8 = cfg.model_dtype == "int8"
+    model_cfg, weights = load_model(files, cfg.max_model_len, int8=int8)
     log.info("weights loaded in %.1fs (%d layers, hidden %d, vocab %d)", time.monotonic() - t0,
              model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                       token_buckets=cfg.token_buckets, max_rows=cfg.max_running,
-                      mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows)
+                      mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows,
+                      model_dtype=cfg.model_dtype, int8_group=cfg.quant_group_size)
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=compile_cache_key(model_cfg, rc))
-    runner = ModelRunner(model_cfg, weights, rc, seed=index)
+    calibration = load_tokenizer(files, cfg.tokenizer_path).encode(CALIBRATION_TEXT) if int8 else None
+    runner = ModelRunner(model_cfg, weights, rc, seed=index, calibration=calibration)
     del weights
+    log.info("model weights in memory: %.0f MiB (%s%s)", runner.model.weight_bytes / 2**20, cfg.model_dtype,
+             f", int8 scale per {cfg.quant_group_size or 'row and token'}" if int8 else "")
     if cfg.warmup:
         runner.warmup()
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
-            "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index}
+            "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index,
+            "model_dtype": cfg.model_dtype}
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info, owner_pid)
     server.serve()
     if server.failed:

@@ -16,6 +16,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from agent.projections import embedding, fp32_projections, int8_projections, lm_head
+
 NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
 # MindSpore CPU's MatMul is fastest with [in, out] weights for few rows and with [out, in] weights
 # (transpose_b) for many: ~2.5x either way. Graphs of at least this many tokens use the latter.
@@ -77,10 +79,15 @@ def rope_tables(cfg: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 class LlamaModel(nn.Cell):
-    """Weights are Hugging Face-named float32 numpy arrays (``model.layers.0.self_attn.q_proj.weight``...)."""
+    """Weights are Hugging Face-named numpy arrays (``model.layers.0.self_attn.q_proj.weight``...):
+    float32, or agent.quant.Int8Rows where the file held int8. ``int8``: projections and LM head run
+    as W8A8 (agent/kernels/linear_int8.cpp), smoothed by the activation ``ranges`` of agent.calibrate
+    when given, one scale per ``int8_group`` inputs (None: per row and token); norms, rope, attention,
+    KV cache and logits stay fp32."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], num_slots: int, block_size: int,
-                 native_lib: str | None = None):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Any], num_slots: int, block_size: int,
+                 native_lib: str | None = None, int8: bool = False,
+                 ranges: dict[str, list[np.ndarray]] | None = None, int8_group: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.block_size = block_size
@@ -90,21 +97,27 @@ class LlamaModel(nn.Cell):
         self.group = h // kv
         self.scale = 1.0 / math.sqrt(hd)
         self.native = native_lib is not None
+        self.int8 = int8
+        if int8 and not self.native:
+            raise ValueError("model_dtype int8 needs the native kernels (a C++ compiler, LLM_SERVING_NATIVE not 0, "
+                             "a CPU device); the plain-MindSpore path runs float32 only")
 
         def param(name: str, arr: np.ndarray) -> Parameter:
             return Parameter(Tensor(np.ascontiguousarray(arr, dtype=np.float32)), name=name, requires_grad=False)
 
         w = weights
-        self.embed = param("embed", w["model.embed_tokens.weight"])
-        head = w.get("lm_head.weight")
-        if head is None or cfg.tie_word_embeddings:
-            head = w["model.embed_tokens.weight"]
-        # RMSNorm gains are folded into the weights that follow each norm, and the attention scale
-        # into the query rows (rope is linear): fewer ops per layer, the same function.
-        head = head * w["model.norm.weight"][None, :]
-        # MindSpore's MatMul: [vocab, hidden] with transpose_b, 1.6-2.5x faster than [hidden, vocab]
-        # at every batch. oneDNN: [hidden, vocab], 2.4x faster than that at one row, 0.9x at 64.
-        self.lm_head = param("lm_head", head.T if self.native else head)
+        self.embed = param("embed", embedding(w))
+        head, norm_gain = lm_head(cfg, w, int8, ranges, int8_group)
+        if int8:
+            self.lm_head = Parameter(Tensor(head.q), name="lm_head", requires_grad=False)
+            self.lm_head_s = param("lm_head_s", head.scale)
+            self.lm_head_g = param("lm_head_g", norm_gain)
+        else:
+            # The final norm's gain folded into the head (see agent/projections). MindSpore's MatMul:
+            # [vocab, hidden] with transpose_b, 1.6-2.5x faster than [hidden, vocab] at every batch.
+            # oneDNN: [hidden, vocab], 2.4x faster than that at one row, 0.9x at 64.
+            head = head * norm_gain[None, :]
+            self.lm_head = param("lm_head", head.T if self.native else head)
         cos, sin = rope_tables(cfg)
         self.cos_table = param("cos_table", cos)
         self.sin_table = param("sin_table", sin)
@@ -123,6 +136,7 @@ class LlamaModel(nn.Cell):
                 return ops.Custom(f"{native_lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
             same = lambda x, *_: x  # noqa: E731
             self.linear_op = custom("Linear", lambda x, w: [x[0], w[1]], same)
+            self.linear_i8_op = custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same)
             self.paged_attention = custom("PagedAttention", same, same)
             self.rms_op = custom("RmsNorm", same, same)
             self.add_rms_op = custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
@@ -132,34 +146,43 @@ class LlamaModel(nn.Cell):
             self.eps = param("rms_eps", np.array([cfg.rms_eps], np.float32))
 
         kc, vc = [], []
-        linear: dict[str, list[Parameter]] = {k: [] for k in ("qkv", "o", "gate_up", "down")}
-        linear_t: dict[str, list[Parameter]] = {k: [] for k in linear}
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            # Fused projections: one GEMM for Q|K|V and one for gate|up. [in, out]; MindSpore's
-            # MatMul also gets an [out, in] copy for graphs of many rows.
-            qkv = np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], axis=0)
-            qkv[:self.q_size] *= self.scale
-            gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
-            mats = {"qkv": qkv * w[p + "input_layernorm.weight"][None, :],
-                    "o": w[p + "self_attn.o_proj.weight"],
-                    "gate_up": gate_up * w[p + "post_attention_layernorm.weight"][None, :],
-                    "down": w[p + "mlp.down_proj.weight"]}
-            for name, mat in mats.items():
-                linear[name].append(param(f"{name}{i}", mat.T))
-                if not self.native:
-                    linear_t[name].append(param(f"{name}_t{i}", mat))
             kc.append(param(f"k_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
             vc.append(param(f"v_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
-        self.qkv, self.qkv_t = ms.ParameterTuple(linear["qkv"]), ms.ParameterTuple(linear_t["qkv"])
-        self.o, self.o_t = ms.ParameterTuple(linear["o"]), ms.ParameterTuple(linear_t["o"])
-        self.gate_up, self.gate_up_t = ms.ParameterTuple(linear["gate_up"]), ms.ParameterTuple(linear_t["gate_up"])
-        self.down, self.down_t = ms.ParameterTuple(linear["down"]), ms.ParameterTuple(linear_t["down"])
         self.k_cache = ms.ParameterTuple(kc)
         self.v_cache = ms.ParameterTuple(vc)
+        # Per projection: the weight ([in, out] fp32, or int8 rows [out, Kp]) and what goes with it:
+        # MindSpore's [out, in] copy for graphs of many rows (plain path), int8 scales and the norm gain.
+        tuples: dict[str, list[Parameter]] = {}
 
-    def _linear(self, x: Tensor, ws: ms.ParameterTuple, ws_t: ms.ParameterTuple, i: int, wide: bool) -> Tensor:
+        def add(name: str, i: int, arr: np.ndarray) -> None:
+            dtype = np.int8 if arr.dtype == np.int8 else np.float32
+            tuples.setdefault(name, []).append(Parameter(Tensor(np.ascontiguousarray(arr, dtype=dtype)),
+                                                         name=f"{name}{i}", requires_grad=False))
+        if self.int8:
+            for i, layer in enumerate(int8_projections(cfg, w, self.scale, ranges, int8_group)):
+                for name, (rows, gain) in layer.items():
+                    add(name, i, rows.q), add(name + "_s", i, rows.scale), add(name + "_g", i, gain)
+        else:
+            for i, layer in enumerate(fp32_projections(cfg, w, self.scale)):
+                for name, mat in layer.items():
+                    add(name, i, mat.T)
+                    if not self.native:
+                        add(name + "_t", i, mat)
+        for name in ("qkv", "o", "gate_up", "down"):
+            for suffix in ("", "_t", "_s", "_g"):
+                setattr(self, name + suffix, ms.ParameterTuple(tuples.get(name + suffix, [])))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded weights (KV cache not counted)."""
+        return sum(p.nbytes for p in self.get_parameters() if not p.name.startswith(("k_cache", "v_cache")))
+
+    def _linear(self, x: Tensor, ws: ms.ParameterTuple, ws_t: ms.ParameterTuple, scales: ms.ParameterTuple,
+                gains: ms.ParameterTuple, i: int, wide: bool) -> Tensor:
         """x @ layer i's weight of one projection."""
+        if self.int8:
+            return self.linear_i8_op(x, ws[i], scales[i], gains[i])
         if self.native:
             return self.linear_op(x, ws[i])
         return self.matmul_t(x, ws_t[i]) if wide else ops.matmul(x, ws[i])
@@ -235,7 +258,7 @@ class LlamaModel(nn.Cell):
         x = ops.gather(self.embed, tokens, 0)
         h = self._rms(x)
         for i in range(cfg.num_layers):
-            qkv = self._linear(h, self.qkv, self.qkv_t, i, wide)
+            qkv = self._linear(h, self.qkv, self.qkv_t, self.qkv_s, self.qkv_g, i, wide)
             q, k, v = self._rope_split(qkv, positions, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
@@ -243,13 +266,16 @@ class LlamaModel(nn.Cell):
                 attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots, token_rows, positions)
             else:
                 attn = self._gathered_attention(q, k_cache, v_cache, token_slots, bias)
-            x, h = self._add_rms(x, self._linear(attn, self.o, self.o_t, i, wide))
-            gu = self._linear(h, self.gate_up, self.gate_up_t, i, wide)
+            x, h = self._add_rms(x, self._linear(attn, self.o, self.o_t, self.o_s, self.o_g, i, wide))
+            gu = self._linear(h, self.gate_up, self.gate_up_t, self.gate_up_s, self.gate_up_g, i, wide)
             act = self._swiglu(gu)
-            x, h = self._add_rms(x, self._linear(act, self.down, self.down_t, i, wide))
+            x, h = self._add_rms(x, self._linear(act, self.down, self.down_t, self.down_s, self.down_g, i, wide))
         # h is the final norm of every token (its gain folded into lm_head); only sampling tokens go on.
         last = ops.gather(h, logit_rows, 0)
-        logits = self.linear_op(last, self.lm_head) if self.native else self.matmul_t(last, self.lm_head)
+        if self.int8:
+            logits = self.linear_i8_op(last, self.lm_head, self.lm_head_s, self.lm_head_g)
+        else:
+            logits = self.linear_op(last, self.lm_head) if self.native else self.matmul_t(last, self.lm_head)
         peak = logits.max(-1, keepdims=True)
         lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
         return logits, lse

@@ -12,10 +12,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from agent import native
+from agent.calibrate import activation_ranges
 from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import needs_penalty, sample
 from shm.step import SamplingColumns, StepInputs, StepView
@@ -41,6 +43,8 @@ class RunnerConfig:
     mixed_tokens: int = 0  # most tokens of a step with decodes; larger buckets serve prefill-only steps (0: all)
     prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
+    model_dtype: str = "float32"  # or "int8": W8A8 projections (needs the native kernels)
+    int8_group: int = 0  # inputs per int8 scale (a multiple of 32); 0: one per weight row and token
 
     def __post_init__(self) -> None:
         self.token_buckets = sorted(set(self.token_buckets))
@@ -74,7 +78,7 @@ class RunnerConfig:
 def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
     exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
-    return f"{model_cfg}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
+    return f"{model_cfg}|{rc.model_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
 
 
 def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
@@ -111,13 +115,18 @@ def freeze_compile_cache() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: LlamaConfig, weights: dict[str, np.ndarray], rc: RunnerConfig, seed: int = 0):
+    def __init__(self, model_cfg: LlamaConfig, weights: dict[str, Any], rc: RunnerConfig, seed: int = 0,
+                 calibration: list[int] | None = None):
+        """`calibration`: token ids of agent.calibrate.CALIBRATION_TEXT, for int8 smoothing."""
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
         lib = native.library() if rc.native_kernels else None
         self.native_kernels = lib is not None
-        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib)
+        int8 = rc.model_dtype == "int8"
+        ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
+        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib,
+                                int8=int8, ranges=ranges, int8_group=rc.int8_group or None)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process

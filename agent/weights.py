@@ -1,17 +1,23 @@
-"""Load Llama weights into Hugging Face names as float32 numpy arrays, plus the LlamaConfig."""
+"""Load Llama weights into Hugging Face names as float32 numpy arrays, plus the LlamaConfig.
+
+With ``int8``, GGUF Q8_0 projection tensors come as agent.quant.Int8Rows, never as a float copy
+(a 7B Q8_0 model would need 28 GB as float32); everything else is float32 and the model quantises
+it at build time."""
 from __future__ import annotations
 
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
 
 from agent.model import LlamaConfig
+from agent.quant import from_q8_0
 from common.model_files import ModelFiles
 
-Weights = dict[str, np.ndarray]
+Weights = dict[str, Any]  # float32 arrays; Int8Rows for Q8_0 projections loaded with int8=True
 
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -30,22 +36,36 @@ _MF_TOP = {"model.tok_embeddings.embedding_weight": "model.embed_tokens.weight",
            "model.norm_out.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
-def load_model(files: ModelFiles, max_position: int | None = None) -> tuple[LlamaConfig, Weights]:
-    loaders = {"gguf": _load_gguf, "hf": _load_hf, "mindformers": _load_mindformers}
-    cfg, weights = loaders[files.kind](files)
+def load_model(files: ModelFiles, max_position: int | None = None, int8: bool = False) -> tuple[LlamaConfig, Weights]:
+    if files.kind == "gguf":
+        cfg, weights = _load_gguf(files, int8)
+    else:
+        cfg, weights = {"hf": _load_hf, "mindformers": _load_mindformers}[files.kind](files)
     if max_position:
         cfg.max_position = max_position
     return cfg, weights
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp)
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert-time Q/K row permutation (interleaved -> rotate-half rope)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _unpermute(rows: int, n_heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's convert-time Q/K row permutation (interleaved -> rotate-half rope)."""
+    return np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _load_gguf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
+def _gguf_tensor(t: Any, int8: bool) -> Any:
+    """A GGUF tensor as float32 [rows, cols] (numpy order), or Int8Rows for a Q8_0 matrix when int8."""
+    import gguf
+
+    shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
+    if int8 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(shape) == 2:
+        blocks = np.asarray(t.data, np.uint8).reshape(shape[0], -1, 34)  # per 32 values: f16 scale, 32 x int8
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
+        return from_q8_0(q, d)
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+
+def _load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, Weights]:
     import gguf
 
     reader = gguf.GGUFReader(str(files.path))
@@ -68,15 +88,12 @@ def _load_gguf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
         bos_token_id=bos.contents() if bos else None, eos_token_ids=[int(eos)])
     weights: Weights = {}
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        arr = arr.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
+        arr = _gguf_tensor(t, int8)
         parts = t.name.split(".")
         if parts[0] == "blk":
             kind = parts[2]
-            if kind == "attn_q":
-                arr = _unpermute(arr, heads)
-            elif kind == "attn_k":
-                arr = _unpermute(arr, kv_heads)
+            if kind in ("attn_q", "attn_k"):
+                arr = arr[_unpermute(arr.shape[0], heads if kind == "attn_q" else kv_heads)]
             weights[f"model.layers.{parts[1]}.{_GGUF_LAYER[kind]}.{parts[3]}"] = arr
         elif parts[0] in _GGUF_TOP:
             weights[f"{_GGUF_TOP[parts[0]]}.{parts[1]}"] = arr

@@ -10,7 +10,13 @@ from typing import Any
 
 import yaml
 
-from common.config_keys import notices
+from common.config_keys import INT8, notices
+
+
+def model_dtype(value: Any) -> str:
+    """The dtype the model runs in for a `model_dtype` value: "int8" for int8 spellings, else
+    float32 (other values are warned about by config_keys)."""
+    return "int8" if str(value).lower() in INT8 else "float32"
 
 
 def _as_list(v: Any, default: list[int]) -> list[int]:
@@ -31,6 +37,8 @@ class ServingConfig:
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
+    model_dtype: str = "float32"  # or "int8": W8A8 projections and LM head (agent/kernels/linear_int8.cpp)
+    quant_group_size: int = 64  # ours: inputs per int8 scale, a multiple of 32; 0 = one per weight row and token
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
     agent_ip: str = "127.0.0.1"
@@ -114,6 +122,9 @@ class ServingConfig:
             raise ValueError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
                              f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
                              f"decode_seq_length {self.max_model_len} (block 0 is reserved)")
+        if self.quant_group_size < 0 or self.quant_group_size % 32:
+            raise ValueError(f"model_config.quant_group_size {self.quant_group_size}: a multiple of 32, or 0 "
+                             "(one int8 scale per weight row and token)")
         if self.schedule_policy not in ("fcfs", "sjf", "priority"):
             raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
         return self
@@ -139,6 +150,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.decode_buckets = _as_list(mc.get("decode_batch_size"), c.decode_buckets)
     c.max_prefill_rows = max(_as_list(mc.get("prefill_batch_size"), [c.max_prefill_rows]))
     c.vocab_size = int(mc["vocab_size"]) if mc.get("vocab_size") is not None else None
+    c.model_dtype = model_dtype(mc.get("model_dtype"))
+    c.quant_group_size = int(mc.get("quant_group_size", c.quant_group_size))
     # The original ignored model_config.batch_waiting_time; we honour both places.
     c.prefill_batch_waiting_time = float(sc.get("prefill_batch_waiting_time", mc.get("batch_waiting_time", 0.0)))
     for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log"):

@@ -11,7 +11,9 @@ from typing import Any
 HONOURED: dict[str, set[str]] = {
     "model_config": {"model_name", "model_path", "model_cfg_path", "max_generate_length", "end_token", "seq_length",
                      "vocab_size", "prefill_batch_size", "decode_batch_size", "batch_waiting_time",
-                     "decode_batch_waiting_time", "batching_strategy", "page_attention", "model_dtype", "backend"},
+                     "decode_batch_waiting_time", "batching_strategy", "page_attention", "model_dtype", "backend",
+                     # ours
+                     "quant_group_size"},
     "serving_config": {"agent_ports", "agent_ip", "start_device_id", "server_ip", "server_port",
                        "prefill_batch_waiting_time", "decode_batch_waiting_time",
                        # ours
@@ -36,6 +38,7 @@ IGNORED: dict[tuple[str, str | None], str] = {
     ("warmup_inputs", None): "warm-up builds every graph shape itself",
 }
 FLOAT32 = ("float32", "fp32", "datatype.float32", "mstype.float32")
+INT8 = ("int8", "w8a8", "datatype.int8", "mstype.int8")
 
 
 def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
@@ -44,8 +47,9 @@ def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
         out.append(f"model_config.batching_strategy {mc['batching_strategy']!r}: only continuous batching is served")
     if mc.get("page_attention", True) in (False, "False", "false"):
         out.append("model_config.page_attention False: the KV cache is always paged")
-    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32:
-        out.append(f"model_config.model_dtype {mc['model_dtype']!r}: the model runs in float32 on this server")
+    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32 + INT8:
+        out.append(f"model_config.model_dtype {mc['model_dtype']!r}: the model runs in float32 on this server "
+                   "(int8 is the other choice)")
     if mc.get("backend") not in (None, "", "mindspore"):
         out.append(f"model_config.backend {mc['backend']!r}: this server runs its own MindSpore graph-mode Llama")
     decode_wait = sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0)) or 0

@@ -126,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="launch_agents", description=__doc__)
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
+    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"], help="model_config.model_dtype")
     args = ap.parse_args(argv)
     if args.verbose:
         os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, model_dtype=args.model_dtype)
     for line in cfg.notices:
         log.warning("config: %s", line)
     try:

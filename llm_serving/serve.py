@@ -16,7 +16,7 @@ from common.config import ServingConfig, load_config
 from common.model_files import model_identity, resolve_model
 from llm_serving.launch import AgentStartError, respawn_agent, start_agents, stop_agents
 from server.engine import Engine
-from server.tokenizer import TextTokenizer, load_tokenizer
+from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
 from shm.arena import ArenaSpec, clean_stale_segments
 from shm.endpoint import agent_address, clean_stale_endpoints, holder, is_local
@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llm-serving", description="LLM inference server on MindSpore")
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--model", dest="model_path", help="smollm2, a .gguf file, a HF folder or a .ckpt")
+    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"],
+                    help="model_config.model_dtype: int8 runs projections and LM head as W8A8")
     ap.add_argument("--host", dest="server_ip")
     ap.add_argument("--port", dest="server_port", type=int)
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: getattr(args, k) for k in ("model_path", "server_ip", "server_port") if getattr(args, k)}
+    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port")
+                 if getattr(args, k)}
     started = time.monotonic()
     cfg = load_config(args.config, **overrides)
     for line in cfg.notices:

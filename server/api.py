@@ -17,7 +17,7 @@ from server.engine import Engine
 from server.frontend import ApiError, Frontend
 from server.http10 import Http10Buffering
 from server.sampling_params import InvalidRequest
-from server.tokenizer import TextTokenizer
+from common.tokenizer import TextTokenizer
 
 
 def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI:

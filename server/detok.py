@@ -1,7 +1,7 @@
 """Incremental detokenizer with stop strings: never emits broken UTF-8, always emits the last token."""
 from __future__ import annotations
 
-from server.tokenizer import TextTokenizer
+from common.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"
 # A UTF-8 character has at most 4 bytes and every token adds at least one, so an incomplete

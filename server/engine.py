@@ -23,7 +23,7 @@ from server.output import OutputProcessor
 from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
 from server.supervisor import Restart, Supervisor
-from server.tokenizer import TextTokenizer
+from common.tokenizer import TextTokenizer
 from shm import protocol as P
 from shm.step import read_row
 from shm.transport import AgentClient, AgentDead, AgentError
@@ -114,6 +114,10 @@ class Engine:
     def device_type(self) -> str:
         """The device the agents run on, as they reported at attach."""
         return str(self.lanes[0].client.info.get("device", "CPU"))
+
+    def model_dtype(self) -> str:
+        """The dtype the agents run the model in ("float32" / "int8"), as they reported at attach."""
+        return str(self.lanes[0].client.info.get("model_dtype", "float32"))
 
     def stats(self) -> dict[str, Any]:
         running = sum(len(lane.sched.running) for lane in self.lanes)

@@ -15,7 +15,7 @@ from common.config import ServingConfig
 from server.engine import Delta, Engine, QueueFull, Request, Sink
 from server.prompts import encode_prompt
 from server.sampling_params import SamplingParams
-from server.tokenizer import TextTokenizer
+from common.tokenizer import TextTokenizer
 
 DISCONNECT_POLL_S = 0.5
 

@@ -10,7 +10,7 @@ from typing import TextIO
 
 from server.metrics import Metrics
 from server.request import Delta, Request, Sink
-from server.tokenizer import TextTokenizer
+from common.tokenizer import TextTokenizer
 
 MIN_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity; vLLM does the same)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from common.config import ServingConfig
 from server.sampling_params import InvalidRequest, SamplingParams
-from server.tokenizer import TextTokenizer
+from common.tokenizer import TextTokenizer
 
 # A prompt whose first max_model_len * 16 characters already make max_model_len tokens is refused
 # without tokenising the rest (a 5 MB prompt: milliseconds instead of seconds of a worker thread).

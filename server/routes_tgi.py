@@ -71,7 +71,7 @@ def router(f: Frontend) -> APIRouter:
 
     @router.get("/info")
     async def info() -> dict[str, Any]:
-        return {"model_id": f.cfg.model_name, "model_dtype": "float32", "max_input_tokens": f.cfg.max_model_len - 1,
+        return {"model_id": f.cfg.model_name, "model_dtype": f.engine.model_dtype(), "max_input_tokens": f.cfg.max_model_len - 1,
                 "max_total_tokens": f.cfg.max_model_len, "max_concurrent_requests": f.cfg.max_queue,
                 "max_batch_total_tokens": f.cfg.token_budget, "router": "llm-serving", "version": "0.1.0"}
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from common.model_files import ModelFiles
-from server.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 import sentencepiece as spm
 

@@ -10,7 +10,7 @@ from server.detok import IncrementalDetokenizer
 from common.model_files import ModelFiles
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, Sequence
-from server.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

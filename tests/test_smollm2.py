@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from common.model_files import resolve_model
-from server.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

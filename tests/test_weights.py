@@ -39,7 +39,7 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
     # permute_qk is llama.cpp convert_hf_to_gguf.py's reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
     permuted = permute_qk(w, n_head)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(_unpermute(permuted, n_head), w)
+    assert np.array_equal(permuted[_unpermute(rows, n_head)], w)
 
 
 def test_export_round_trips_through_our_loaders(tmp_path):
@@ -47,7 +47,7 @@ def test_export_round_trips_through_our_loaders(tmp_path):
     gives the same weights and config, so a peer comparison runs one model everywhere."""
     from agent.model import LlamaConfig
     from common.model_files import resolve_model
-    from server.tokenizer import load_tokenizer
+    from common.tokenizer import load_tokenizer
     from tools.export_model import random_llama, write_gguf, write_hf
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import load_config  # noqa: E402
 from common.model_files import model_identity, resolve_model  # noqa: E402
-from server.tokenizer import load_tokenizer  # noqa: E402
+from common.tokenizer import load_tokenizer  # noqa: E402
 from shm import protocol as P  # noqa: E402
 from shm.arena import ArenaSpec  # noqa: E402
 from shm.endpoint import agent_address, holder, is_local  # noqa: E402

@@ -3,6 +3,10 @@ MindSpore runner, a NumPy (OpenBLAS) forward and, when torch is installed, a tor
 the same weights, as ratios in one run.
 
     python tools/bench_agent.py [--model smollm2] [--batches 1,8,32,64] [--context 128]
+                                [--dtypes float32,int8,int8:64]
+
+--dtypes runs one runner per entry (int8:G = one int8 scale per G inputs; int8 alone: per row) and
+adds a column per entry after the first, with its speed-up over the first.
 """
 from __future__ import annotations
 
@@ -143,34 +147,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=128, help="prefill chunk length")
     ap.add_argument("--repeat", type=int, default=3, help="calls per system per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtypes", default="float32", help="model dtypes to compare: float32, int8, int8:<group>")
     args = ap.parse_args(argv)
+    variants = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
 
+    from agent.calibrate import CALIBRATION_TEXT
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
     from agent.weights import load_model
+    from common.tokenizer import load_tokenizer
     from common.model_files import resolve_model
     from server.sampling_params import SamplingParams
     from shm.step import RowInput
     from shm.arena import Arena, ArenaSpec
 
     max_len = 2 * max(args.context, args.prefill)
-    cfg, weights = load_model(resolve_model(args.model), max_position=max_len)
-    setup_mindspore(".cache/mindspore", key=f"bench|{cfg}|{args.batches}|{args.context}")
+    files = resolve_model(args.model)
+    cfg, weights = load_model(files, max_position=max_len)
+    setup_mindspore(".cache/mindspore", key=f"bench|{cfg}|{args.batches}|{args.context}|{args.dtypes}")
     bs = 16
     per_seq = max_len // bs
-    rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
-                      token_buckets=batches + [args.prefill], max_rows=max(batches))
-    runner = ModelRunner(cfg, weights, rc)
+    calibration = load_tokenizer(files).encode(CALIBRATION_TEXT)
+    runners = {}
+    for v in variants:
+        dtype, _, group = v.partition(":")
+        rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
+                          token_buckets=batches + [args.prefill], max_rows=max(batches), model_dtype=dtype,
+                          int8_group=int(group or 0))
+        runners[v] = ModelRunner(cfg, weights, rc, calibration=calibration)
+        print(f"{v}: weights {runners[v].model.weight_bytes / 2**20:.0f} MiB")
     arena = Arena.private(ArenaSpec(max(batches) + args.prefill, max(batches), per_seq))
     greedy = SamplingParams()
 
-    def ms_decode(b: int):
+    def ms_decode(runner, b: int):
         rows = [RowInput(i, np.asarray([7], np.int32), args.context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
                          True, greedy, args.context, 0) for i in range(b)]
         v = arena.step(arena.write_step(rows, bs))
         return lambda: runner.step(v, [])
 
-    def ms_prefill():
+    def ms_prefill(runner):
         rows = [RowInput(0, np.arange(args.prefill, dtype=np.int32) + 100, 0, list(range(1, 1 + per_seq)),
                          True, greedy, args.prefill, 0)]
         v = arena.step(arena.write_step(rows, bs))
@@ -184,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         have_torch = False
     print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'vs NumPy':>10}" + (f"{'torch':>14}{'vs torch':>10}"
-                                                                             if have_torch else ""))
+                                                                             if have_torch else "")
+          + "".join(f"{v:>14}{'vs ' + variants[0]:>14}" for v in variants[1:]))
 
-    def report(name: str, ms_fn: Callable[[], object], ref: NumpyLlama, toks: np.ndarray, start: int,
+    def report(name: str, ms_fns: list[Callable[[], object]], ref: NumpyLlama, toks: np.ndarray, start: int,
                per_token: int = 0) -> None:
-        fns = {"ms": ms_fn, "np": lambda: ref.forward(toks, start)}
+        fns = {"ms": ms_fns[0], "np": lambda: ref.forward(toks, start)}
+        fns.update({v: fn for v, fn in zip(variants[1:], ms_fns[1:])})
         if have_torch:
             tref = TorchLlama(ref)
             diff = np.abs(tref.forward(toks, start) - ref.forward(toks, start)).max()
@@ -199,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         line = f"{name:<22}{fmt(t['ms'])}{fmt(t['np'])}{t['np'] / t['ms']:>9.2f}x"
         if have_torch:
             line += f"{fmt(t['torch'])}{t['torch'] / t['ms']:>9.2f}x"
+        line += "".join(f"{fmt(t[v]):>14}{t['ms'] / t[v]:>13.2f}x" for v in variants[1:])
         print(line, flush=True)
 
     for b in batches:
-        report(f"decode step B={b}", ms_decode(b), NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),
+        report(f"decode step B={b}", [ms_decode(r, b) for r in runners.values()], NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),
                args.context)
-    report(f"prefill {args.prefill} tokens", ms_prefill(), NumpyLlama(cfg, weights, 1, max_len),
+    report(f"prefill {args.prefill} tokens", [ms_prefill(r) for r in runners.values()], NumpyLlama(cfg, weights, 1, max_len),
            (np.arange(args.prefill) + 100)[None], 0, per_token=args.prefill)
     return 0
 

@@ -63,7 +63,7 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path) -> None:
     from safetensors.numpy import save_file
 
-    from server.tokenizer import load_tokenizer
+    from common.tokenizer import load_tokenizer
     from common.model_files import ModelFiles
 
     out.mkdir(parents=True, exist_ok=True)
@@ -92,8 +92,8 @@ def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path) -> N
 
 
 def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtype: str) -> None:
-    """A llama-architecture GGUF (f32 or f16 matrices; norms stay f32, as llama.cpp's converter
-    does), with the tokenizer fields copied from `tokenizer_gguf`."""
+    """A llama-architecture GGUF (f32, f16 or q8_0 matrices; norms stay f32, as llama.cpp's
+    converter does), with the tokenizer fields copied from `tokenizer_gguf`."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -108,7 +108,8 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(
+        dtype, gguf.LlamaFileType.ALL_F32))
     src = gguf.GGUFReader(str(tokenizer_gguf))
     f = src.fields
     writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
@@ -138,6 +139,10 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
                 arr = permute_qk(arr, cfg.num_heads)
             elif kind == "attn_k":
                 arr = permute_qk(arr, cfg.num_kv_heads)
+        if dtype == "q8_0" and arr.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gname, gguf.quants.quantize(np.asarray(arr, np.float32), q8), raw_dtype=q8)
+            continue
         half = dtype == "f16" and arr.ndim == 2
         writer.add_tensor(gname, np.ascontiguousarray(arr, np.float16 if half else np.float32))
     writer.write_header_to_file()
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=12)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--max-position", type=int, default=2048)
-    ap.add_argument("--gguf", default="f32,f16", help="GGUF variants to write (f32, f16; empty: none)")
+    ap.add_argument("--gguf", default="f32,f16", help="GGUF variants to write (f32, f16, q8_0; empty: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 

@@ -10,7 +10,7 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from common.model_files import ModelFiles
-from server.sentencepiece import BPE, CONTROL, SpmVocab, read_model_file, spm_tokenizer
+from common.sentencepiece import BPE, CONTROL, SpmVocab, read_model_file, spm_tokenizer
 
 # GGUF `tokenizer.ggml.pre` -> digit handling in front of the GPT-2 byte-level split.
 _INDIVIDUAL_DIGITS = {"smollm"}

@@ -1,0 +1,128 @@
+"""Accuracy of a model dtype against float32, on the same weights: perplexity over a fixed corpus
+that ships with the project (tools/data/eval_corpus.txt) and agreement of greedy continuations of a
+fixed prompt set. Runs our real runner (MindSpore graphs, native kernels) in this process.
+
+    python tools/eval_quant.py [--model smollm2] [--dtype int8] [--tokens 16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+CORPUS = Path(__file__).with_name("data") / "eval_corpus.txt"
+PROMPTS = [
+    "The capital of France is", "Once upon a time, in a small village,", "The three primary colors are",
+    "def fibonacci(n):", "Water is made of", "The best way to learn a new language is",
+    "In 1969, the first humans", "A healthy breakfast usually includes", "The sun rises in the",
+    "To make a cup of tea, first", "The largest planet in our solar system is", "My favourite book is",
+    "import numpy as np\n", "The main causes of the First World War were", "Photosynthesis is the process",
+    "Here is a short poem about the sea:", "The difference between a virus and a bacterium is",
+    "Question: What is 12 times 12?\nAnswer:", "The stock market fell today because",
+    "Dear hiring manager,", "The Pythagorean theorem states that", "Cats and dogs are",
+    "The recipe calls for two eggs,", "In computer science, a hash table is",
+]
+BLOCK = 16
+
+
+def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32, group: int = 0):
+    from agent.calibrate import CALIBRATION_TEXT
+    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.weights import load_model
+    from common.model_files import resolve_model
+    from common.tokenizer import load_tokenizer
+
+    setup_mindspore()
+    files = resolve_model(model)
+    cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8")
+    rc = RunnerConfig(num_blocks=max_rows * max_len // BLOCK + 1, block_size=BLOCK, max_model_len=max_len,
+                      token_buckets=[max_rows, 512], max_rows=max_rows, model_dtype=dtype,
+                      int8_group=group)
+    tok = load_tokenizer(files)
+    return ModelRunner(cfg, weights, rc, calibration=tok.encode(CALIBRATION_TEXT)), tok
+
+
+def perplexity(runner, ids: list[int], chunk: int = 128) -> float:
+    """exp(mean NLL of every next token), one sequence fed in chunks through the paged cache."""
+    width = runner.rc.width
+    table = np.arange(1, width + 1, dtype=np.int32).reshape(1, width)  # block 0 is reserved
+    nll: list[float] = []
+    for s in range(0, len(ids) - 1, chunk):
+        part = np.asarray(ids[s:s + chunk], np.int32)
+        n = len(part)
+        tokens = np.zeros(chunk, np.int32)
+        tokens[:n] = part
+        pos = np.arange(s, s + chunk, dtype=np.int32)
+        slots = np.where(np.arange(chunk) < n, pos + BLOCK, 0).astype(np.int32)  # padding writes block 0
+        logits, lse = runner._run(tokens, np.minimum(pos, s + n - 1), slots, np.zeros(chunk, np.int32), table,
+                                  np.arange(chunk, dtype=np.int32))
+        nxt = np.asarray(ids[s + 1:s + n + 1])
+        m = len(nxt)
+        nll.extend((lse[:m] - logits[np.arange(m), nxt]).tolist())
+    return float(np.exp(np.mean(nll)))
+
+
+def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens after each prompt, all prompts as one batch (prefill step, then decode steps)."""
+    blocks = runner.rc.width
+    tables = np.stack([np.arange(1 + r * blocks, 1 + (r + 1) * blocks, dtype=np.int32) for r in range(len(prompts))])
+    lens = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+    positions = np.concatenate([np.arange(k, dtype=np.int32) for k in lens])
+    qlens, out = lens, [[] for _ in prompts]
+    for _ in range(n):
+        rows = np.repeat(np.arange(len(prompts)), qlens)
+        slots = (tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32)
+        x = SimpleNamespace(tokens=tokens, positions=positions, slots=slots, query_lens=qlens, block_tables=tables)
+        logits, _ = runner.forward(x)
+        tokens = logits.argmax(-1).astype(np.int32)
+        for r, t in enumerate(tokens):
+            out[r].append(int(t))
+        positions = (lens + len(out[0]) - 1).astype(np.int32)
+        qlens = np.ones(len(prompts), np.int32)
+    return out
+
+
+def evaluate(model: str, dtype: str, n: int, group: int = 0) -> dict:
+    t0 = time.monotonic()
+    runner, tok = build_runner(model, dtype, group=group)
+    corpus = tok.encode(CORPUS.read_text())
+    ppl = perplexity(runner, corpus)
+    continuations = greedy(runner, [tok.encode(p) for p in PROMPTS], n)
+    if dtype == "int8":
+        dtype += f" (group {group})" if group else " (per row)"
+    return {"dtype": dtype, "perplexity": ppl, "tokens": len(corpus), "greedy": continuations,
+            "seconds": time.monotonic() - t0, "weight_bytes": runner.model.weight_bytes}
+
+
+def agreement(a: list[list[int]], b: list[list[int]], n: int | None = None) -> float:
+    """Share of prompts whose continuations are identical (in their first n tokens)."""
+    return sum(x[:n] == y[:n] for x, y in zip(a, b)) / len(a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="int8")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--groups", default="0", help="int8 scale group sizes to compare (0: per row)")
+    args = ap.parse_args()
+    base = evaluate(args.model, "float32", args.tokens)
+    tests = [evaluate(args.model, args.dtype, args.tokens, int(g)) for g in args.groups.split(",")]
+    print(f"corpus: {CORPUS.name}, {base['tokens']} tokens; {len(PROMPTS)} prompts x {args.tokens} greedy tokens")
+    print(f"| dtype | perplexity | vs float32 | greedy identical: {args.tokens} / 8 / 4 tokens | weights MiB |")
+    print("|---|---|---|---|---|")
+    for r in (base, *tests):
+        same = " / ".join(f"{agreement(base['greedy'], r['greedy'], n):.0%}" for n in (None, 8, 4))
+        print(f"| {r['dtype']} | {r['perplexity']:.3f} | {r['perplexity'] / base['perplexity'] - 1:+.2%} | "
+              f"{same} | {r['weight_bytes'] / 2**20:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
