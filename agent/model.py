@@ -82,12 +82,12 @@ class LlamaModel(nn.Cell):
     """Weights are Hugging Face-named numpy arrays (``model.layers.0.self_attn.q_proj.weight``...):
     float32, or agent.quant.Int8Rows where the file held int8. ``int8``: projections and LM head run
     as W8A8 (agent/kernels/linear_int8.cpp), smoothed by the activation ``ranges`` of agent.calibrate
-    when given, one scale per ``int8_group`` inputs (None: per row and token); norms, rope, attention,
+    when given, one scale per at most ``int8_group`` inputs (agent.quant.group_for); norms, rope, attention,
     KV cache and logits stay fp32."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Any], num_slots: int, block_size: int,
                  native_lib: str | None = None, int8: bool = False,
-                 ranges: dict[str, list[np.ndarray]] | None = None, int8_group: int | None = None):
+                 ranges: dict[str, list[np.ndarray]] | None = None, int8_group: int = 64):
         super().__init__()
         self.cfg = cfg
         self.block_size = block_size
@@ -137,6 +137,9 @@ class LlamaModel(nn.Cell):
             same = lambda x, *_: x  # noqa: E731
             self.linear_op = custom("Linear", lambda x, w: [x[0], w[1]], same)
             self.linear_i8_op = custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same)
+            self.add_rms_linear_i8_op = custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]),
+                                               lambda x, *_: (x, x))
+            self.swiglu_linear_i8_op = custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same)
             self.paged_attention = custom("PagedAttention", same, same)
             self.rms_op = custom("RmsNorm", same, same)
             self.add_rms_op = custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
@@ -178,14 +181,30 @@ class LlamaModel(nn.Cell):
         """Bytes of the loaded weights (KV cache not counted)."""
         return sum(p.nbytes for p in self.get_parameters() if not p.name.startswith(("k_cache", "v_cache")))
 
-    def _linear(self, x: Tensor, ws: ms.ParameterTuple, ws_t: ms.ParameterTuple, scales: ms.ParameterTuple,
-                gains: ms.ParameterTuple, i: int, wide: bool) -> Tensor:
-        """x @ layer i's weight of one projection."""
+    def _linear(self, x: Tensor, proj: tuple, i: int, wide: bool) -> Tensor:
+        """x @ layer i's weight of one projection; proj = (weights, [out, in] copies, int8 scales, int8 input factors)."""
+        ws, ws_t, scales, gains = proj
         if self.int8:
             return self.linear_i8_op(x, ws[i], scales[i], gains[i])
         if self.native:
             return self.linear_op(x, ws[i])
         return self.matmul_t(x, ws_t[i]) if wide else ops.matmul(x, ws[i])
+
+    def _add_norm_linear(self, x: Tensor, delta: Tensor, proj: tuple, i: int, wide: bool) -> tuple:
+        """The residual add, the RMSNorm after it and the projection that norm feeds: (x + delta,
+        rms(x + delta) @ w). int8: one op (the norm runs in the kernel's quantisation pass), a
+        dispatch less per norm."""
+        if self.int8:
+            ws, _, scales, gains = proj
+            return self.add_rms_linear_i8_op(x, delta, self.eps, ws[i], scales[i], gains[i])
+        x, h = self._add_rms(x, delta)
+        return x, self._linear(h, proj, i, wide)
+
+    def _swiglu_linear(self, gu: Tensor, proj: tuple, i: int, wide: bool) -> Tensor:
+        if self.int8:
+            ws, _, scales, gains = proj
+            return self.swiglu_linear_i8_op(gu, ws[i], scales[i], gains[i])
+        return self._linear(self._swiglu(gu), proj, i, wide)
 
     def _rms(self, x: Tensor) -> Tensor:
         """RMS normalisation; the gain lives in the next weight."""
@@ -255,10 +274,14 @@ class LlamaModel(nn.Cell):
             bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
                               ops.full_like(visible, NEG_INF, dtype=ms.float32)).reshape(n, 1, 1, ctx)
         wide = n >= TRANSPOSED_MIN_ROWS
+        qkv_p = (self.qkv, self.qkv_t, self.qkv_s, self.qkv_g)
+        o_p = (self.o, self.o_t, self.o_s, self.o_g)
+        gate_up_p = (self.gate_up, self.gate_up_t, self.gate_up_s, self.gate_up_g)
+        down_p = (self.down, self.down_t, self.down_s, self.down_g)
         x = ops.gather(self.embed, tokens, 0)
-        h = self._rms(x)
+        qkv = self._linear(self._rms(x), qkv_p, 0, wide)
+        delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(cfg.num_layers):
-            qkv = self._linear(h, self.qkv, self.qkv_t, self.qkv_s, self.qkv_g, i, wide)
             q, k, v = self._rope_split(qkv, positions, cos, sin)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
@@ -266,10 +289,11 @@ class LlamaModel(nn.Cell):
                 attn = self.paged_attention(q.reshape(n, -1), k_cache, v_cache, ctx_slots, token_rows, positions)
             else:
                 attn = self._gathered_attention(q, k_cache, v_cache, token_slots, bias)
-            x, h = self._add_rms(x, self._linear(attn, self.o, self.o_t, self.o_s, self.o_g, i, wide))
-            gu = self._linear(h, self.gate_up, self.gate_up_t, self.gate_up_s, self.gate_up_g, i, wide)
-            act = self._swiglu(gu)
-            x, h = self._add_rms(x, self._linear(act, self.down, self.down_t, self.down_s, self.down_g, i, wide))
+            x, gu = self._add_norm_linear(x, self._linear(attn, o_p, i, wide), gate_up_p, i, wide)
+            delta = self._swiglu_linear(gu, down_p, i, wide)
+            if i + 1 < cfg.num_layers:
+                x, qkv = self._add_norm_linear(x, delta, qkv_p, i + 1, wide)
+        x, h = self._add_rms(x, delta)
         # h is the final norm of every token (its gain folded into lm_head); only sampling tokens go on.
         last = ops.gather(h, logit_rows, 0)
         if self.int8:

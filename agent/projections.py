@@ -50,13 +50,13 @@ def fp32_projections(cfg: Any, w: Weights, attn_scale: float) -> Iterator[dict[s
 
 
 def _int8(parts: list[Any], gain: np.ndarray, act_max: np.ndarray | None,
-          group: int | None) -> tuple[list[Int8Rows], np.ndarray]:
+          group: int) -> tuple[list[Int8Rows], np.ndarray]:
     """Quantised rows of the matrices sharing one input, and the per-channel factor the kernel
     multiplies that input by: the norm gain, divided by the smoothing factor when smoothed."""
     gain = np.asarray(gain, np.float32)
     stored = [m for m in parts if isinstance(m, Int8Rows)]
     if stored:  # used as stored; float neighbours take their group size (one GEMM needs one)
-        return [m if isinstance(m, Int8Rows) else quantize(m, stored[0].group) for m in parts], gain
+        return [m if isinstance(m, Int8Rows) else quantize(m, stored[0].group, exact=True) for m in parts], gain
     if act_max is None:
         return [quantize(m, group) for m in parts], gain
     s = smoothing(act_max, np.max([np.abs(m).max(0) for m in parts], axis=0))
@@ -64,9 +64,10 @@ def _int8(parts: list[Any], gain: np.ndarray, act_max: np.ndarray | None,
 
 
 def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, list[np.ndarray]] | None,
-                     group: int | None) -> Iterator[dict[str, tuple[Int8Rows, np.ndarray]]]:
+                     group: int) -> Iterator[dict[str, tuple[Int8Rows, np.ndarray]]]:
     """Per layer, each projection's (int8 rows, input factor); `ranges` from agent.calibrate
-    (None: no smoothing); `group`: inputs per weight and activation scale (None: whole rows)."""
+    (None: no smoothing); `group`: at most this many inputs per weight and activation scale
+    (agent.quant.group_for)."""
     for i in range(cfg.num_layers):
         gains = _gains(w, i, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
         out = {}
@@ -79,7 +80,7 @@ def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, 
 
 
 def lm_head(cfg: Any, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]] | None = None,
-            group: int | None = None) -> tuple[Any, np.ndarray]:
+            group: int = 64) -> tuple[Any, np.ndarray]:
     """The output projection [vocab, hidden] (the embedding when tied) and its input factor (the
     final norm gain; with int8, over the smoothing factor)."""
     head = w.get("lm_head.weight")

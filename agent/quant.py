@@ -1,20 +1,40 @@
 """Int8 weights for the W8A8 projections (agent/kernels/linear_int8.cpp): symmetric, one scale per
-group of G consecutive inputs of each output channel (G a multiple of 32; None: one scale per row),
-rows zero-padded to a whole number of groups."""
+group of G consecutive inputs of each output channel. Rows are cut into blocks of 8 groups and
+stored interleaved (vector t of a block holds bytes 4t..4t+3 of each of its 8 groups), so the
+kernel's int32 lane l sums group l alone; see the kernel's header."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-VECTOR = 32  # bytes per vector step of the kernel: groups and padded rows are multiples of it
+LANES = 8  # groups per block: one per int32 lane of the kernel's accumulators
 QMAX = 127  # symmetric: -128 never occurs, so |x| * sign(w) in the kernel cannot overflow
 ALPHA = 0.5  # SmoothQuant's migration strength (agent/calibrate); 0.4-0.5 measured best on SmolLM2
 
 
+def group_for(k: int, target: int) -> int:
+    """Group size for rows of k inputs: a multiple of 4, at most `target` (0: one block of 8 groups
+    per row), with the fewest blocks and then the least padding (576 -> 8 x 72 or 16 x 36)."""
+    blocks = -(-k // (LANES * target)) if target else 1
+    return -(-k // (LANES * blocks * 4)) * 4
+
+
+def interleave(q: np.ndarray, group: int) -> np.ndarray:
+    """[N, Kp] natural order -> the kernel's order (and back with inverse=True via deinterleave)."""
+    n, kp = q.shape
+    return q.reshape(n, kp // (LANES * group), LANES, group // 4, 4).transpose(0, 1, 3, 2, 4).reshape(n, kp)
+
+
+def deinterleave(q: np.ndarray, group: int) -> np.ndarray:
+    n, kp = q.shape
+    return q.reshape(n, kp // (LANES * group), group // 4, LANES, 4).transpose(0, 1, 3, 2, 4).reshape(n, kp)
+
+
 @dataclass
 class Int8Rows:
-    """w ≈ q[:, :k] * (scale repeated over each group); q [N, Kp] int8, scale [N, Kp / G] float32."""
+    """w ≈ natural()[:, :k] * (scale repeated over each group); q [N, Kp] int8 interleaved, scale
+    [N, Kp / G] float32 in natural group order, k the logical width."""
     q: np.ndarray
     scale: np.ndarray
     k: int
@@ -38,35 +58,50 @@ class Int8Rows:
         """The same rows times a constant (the attention scale folded into the query rows)."""
         return Int8Rows(self.q, (self.scale * factor).astype(np.float32), self.k)
 
+    def natural(self) -> np.ndarray:
+        """The int8 values in input order [N, Kp]."""
+        return deinterleave(self.q, self.group)
+
     def dequantize(self) -> np.ndarray:
         n, kp = self.q.shape
-        w = self.q.reshape(n, -1, self.group).astype(np.float32) * self.scale[..., None]
+        w = self.natural().reshape(n, -1, self.group).astype(np.float32) * self.scale[..., None]
         return w.reshape(n, kp)[:, :self.k]
 
 
-def quantize(w: np.ndarray, group: int | None = None) -> Int8Rows:
-    """Float weights [N, K] -> int8 with scale max|w| / 127 per group (round to nearest)."""
+def _pack(q: np.ndarray, scale: np.ndarray, k: int, group: int) -> Int8Rows:
+    """Natural-order int8 [N, K] and scales [N, K / G] (K a multiple of G) -> zero-padded to whole
+    blocks (padding groups get scale 0) and interleaved."""
+    n = q.shape[0]
+    kp = -(-q.shape[1] // (LANES * group)) * LANES * group
+    full = np.zeros((n, kp), np.int8)
+    full[:, :q.shape[1]] = q
+    scales = np.zeros((n, kp // group), np.float32)
+    scales[:, :scale.shape[1]] = scale
+    return Int8Rows(interleave(full, group), scales, k)
+
+
+def quantize(w: np.ndarray, group: int = 64, exact: bool = False) -> Int8Rows:
+    """Float weights [N, K] -> int8 with scale max|w| / 127 per group of group_for(K, group) inputs,
+    or of `group` itself when exact (round to nearest)."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
-    g = group or -(-k // VECTOR) * VECTOR
-    if g % VECTOR:
-        raise ValueError(f"int8 group size {g} is not a multiple of {VECTOR}")
-    kp = -(-k // g) * g
-    padded = np.zeros((n, kp), np.float32)
+    g = group if exact else group_for(k, group)
+    kg = -(-k // g) * g
+    padded = np.zeros((n, kg), np.float32)
     padded[:, :k] = w
-    blocks = padded.reshape(n, kp // g, g)
+    blocks = padded.reshape(n, kg // g, g)
     amax = np.abs(blocks).max(axis=2)
     inv = np.divide(QMAX, amax, out=np.zeros_like(amax), where=amax > 0)
-    q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(n, kp)
-    return Int8Rows(q, (amax / QMAX).astype(np.float32), k)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(n, kg)
+    return _pack(q, amax / QMAX, k, g)
 
 
 def from_q8_0(q: np.ndarray, d: np.ndarray) -> Int8Rows:
-    """GGUF Q8_0 (q [N, K] int8, one float16 scale per 32 values d [N, K/32]) as it is stored: the
-    kernel takes groups of 32, so its integers are used unchanged."""
-    if q.shape[1] % VECTOR:
+    """GGUF Q8_0 (q [N, K] int8, one float16 scale per 32 values d [N, K/32]) as it is stored:
+    groups of 32, its integers unchanged (only reordered for the kernel)."""
+    if q.shape[1] % 32:
         raise ValueError("Q8_0 rows must be whole blocks of 32")
-    return Int8Rows(np.clip(q, -QMAX, QMAX), d.astype(np.float32), q.shape[1])  # Q8_0 may hold -128
+    return _pack(np.clip(q, -QMAX, QMAX), d.astype(np.float32), q.shape[1], 32)  # Q8_0 may hold -128
 
 
 def concat(parts: list[Int8Rows]) -> Int8Rows:

@@ -44,7 +44,7 @@ class RunnerConfig:
     prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
     model_dtype: str = "float32"  # or "int8": W8A8 projections (needs the native kernels)
-    int8_group: int = 0  # inputs per int8 scale (a multiple of 32); 0: one per weight row and token
+    int8_group: int = 64  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
 
     def __post_init__(self) -> None:
         self.token_buckets = sorted(set(self.token_buckets))
@@ -126,7 +126,7 @@ class ModelRunner:
         int8 = rc.model_dtype == "int8"
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
         self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib,
-                                int8=int8, ranges=ranges, int8_group=rc.int8_group or None)
+                                int8=int8, ranges=ranges, int8_group=rc.int8_group)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process

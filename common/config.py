@@ -38,7 +38,7 @@ class ServingConfig:
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
     model_dtype: str = "float32"  # or "int8": W8A8 projections and LM head (agent/kernels/linear_int8.cpp)
-    quant_group_size: int = 64  # ours: inputs per int8 scale, a multiple of 32; 0 = one per weight row and token
+    quant_group_size: int = 64  # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 scales per row
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
     agent_ip: str = "127.0.0.1"
@@ -122,9 +122,9 @@ class ServingConfig:
             raise ValueError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
                              f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
                              f"decode_seq_length {self.max_model_len} (block 0 is reserved)")
-        if self.quant_group_size < 0 or self.quant_group_size % 32:
-            raise ValueError(f"model_config.quant_group_size {self.quant_group_size}: a multiple of 32, or 0 "
-                             "(one int8 scale per weight row and token)")
+        if self.quant_group_size < 0 or 0 < self.quant_group_size < 4:
+            raise ValueError(f"model_config.quant_group_size {self.quant_group_size}: at least 4 inputs per int8 "
+                             "scale, or 0 (8 scales per row)")
         if self.schedule_policy not in ("fcfs", "sjf", "priority"):
             raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
         return self

@@ -40,8 +40,8 @@ def run_kernel(x: np.ndarray, rows: Int8Rows, gain: np.ndarray) -> np.ndarray:
 
 
 # (tokens, inputs, outputs, group): decode and packed-step row counts including odd tails, widths that
-# need padding, groups of 32/64, one per row (0), and a group equal to the width.
-CASES = [(1, 576, 960, 64), (3, 100, 33, 32), (5, 1536, 577, 0), (7, 96, 49, 96), (130, 64, 40, 32), (2, 40, 8, 0)]
+# need padding, several blocks of 8 groups, and 8 groups per row (0).
+CASES = [(1, 576, 960, 64), (3, 100, 33, 32), (5, 1536, 577, 0), (7, 96, 49, 4), (130, 64, 40, 32), (2, 40, 8, 0)]
 
 
 @pytest.mark.parametrize("m,k,n,group", CASES)
@@ -49,29 +49,29 @@ def test_kernel_sums_exactly_in_integers(m, k, n, group):
     """Integer activations whose every (token, group) reaches 127 quantise to themselves (scale 1):
     the kernel's result is then Σ_groups weight scale x exact integer dot product."""
     rng = np.random.default_rng(m * k + n)
-    rows = quantize(rng.standard_normal((n, k)).astype(np.float32), group or None)
+    rows = quantize(rng.standard_normal((n, k)).astype(np.float32), group)
     g = rows.group
     x = rng.integers(-127, 128, (m, k)).astype(np.float32)
     x[:, ::g] = 127 * rng.choice([-1, 1], (m, len(range(0, k, g))))  # each group's max is exactly 127
     got = run_kernel(x, rows, np.ones(k, np.float32))
     xi = np.zeros((m, rows.q.shape[1]), np.int64)
     xi[:, :k] = x
-    dots = np.einsum("mgk,ngk->mng", xi.reshape(m, -1, g), rows.q.astype(np.int64).reshape(n, -1, g))
+    dots = np.einsum("mgk,ngk->mng", xi.reshape(m, -1, g), rows.natural().astype(np.int64).reshape(n, -1, g))
     want = (dots * rows.scale[None].astype(np.float64)).sum(-1)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("group", [0, 64, 32])
+@pytest.mark.parametrize("group", [0, 64, 8])
 def test_kernel_stays_within_the_quantisation_bound_of_fp32(group):
     """Against fp32 x @ w^T with a gain and outlier channels: |error| is at most what rounding each
     activation (half its group's step) and each weight (its actual rounding) can cause."""
     rng = np.random.default_rng(group)
-    m, k, n = 9, 192, 70
+    m, k, n = 9, 1152, 70
     x = rng.standard_normal((m, k)).astype(np.float32)
-    x[:, [5, 77]] *= 40  # outlier channels, as in real activations
+    x[:, [5, 77, 700]] *= 40  # outlier channels, as in real activations
     gain = rng.uniform(0.2, 2.0, k).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    rows = quantize(w, group or None)
+    rows = quantize(w, group)
     got = run_kernel(x, rows, gain)
     xg = (x * gain).astype(np.float64)
     gs = rows.group
@@ -118,15 +118,15 @@ def test_int8_without_native_kernels_is_refused_clearly(tiny_weights):
 
 
 def test_smollm2_int8_tracks_fp32():
-    """Perplexity on the shipped corpus within 2% of fp32 (measured +0.44%), and greedy
-    continuations of the fixed prompt set agree in their first 4 tokens for >= 75% of prompts
-    (measured 83%; llama.cpp's q8_0 against its own f32 on the same prompts: 79%)."""
+    """Perplexity on the shipped corpus within 2% of fp32 (measured +0.39%), and greedy
+    continuations of the fixed prompt set agree in their first 4 tokens for >= 80% of prompts
+    (measured 92%; llama.cpp's q8_0 against its own f32 on the same prompts: 79%)."""
     from tools.eval_quant import agreement, evaluate
 
     base = evaluate("smollm2", "float32", 4)
     int8 = evaluate("smollm2", "int8", 4, group=64)
     assert int8["perplexity"] / base["perplexity"] - 1 < 0.02
-    assert agreement(base["greedy"], int8["greedy"]) >= 0.75
+    assert agreement(base["greedy"], int8["greedy"]) >= 0.8
     assert int8["weight_bytes"] < 0.45 * base["weight_bytes"]
 
 

@@ -31,7 +31,7 @@ PROMPTS = [
 BLOCK = 16
 
 
-def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32, group: int = 0):
+def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32, group: int = 64):
     from agent.calibrate import CALIBRATION_TEXT
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
     from agent.weights import load_model
@@ -89,14 +89,14 @@ def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-def evaluate(model: str, dtype: str, n: int, group: int = 0) -> dict:
+def evaluate(model: str, dtype: str, n: int, group: int = 64) -> dict:
     t0 = time.monotonic()
     runner, tok = build_runner(model, dtype, group=group)
     corpus = tok.encode(CORPUS.read_text())
     ppl = perplexity(runner, corpus)
     continuations = greedy(runner, [tok.encode(p) for p in PROMPTS], n)
     if dtype == "int8":
-        dtype += f" (group {group})" if group else " (per row)"
+        dtype += f" (group <= {group})" if group else " (8 groups per row)"
     return {"dtype": dtype, "perplexity": ppl, "tokens": len(corpus), "greedy": continuations,
             "seconds": time.monotonic() - t0, "weight_bytes": runner.model.weight_bytes}
 
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="int8")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--groups", default="0", help="int8 scale group sizes to compare (0: per row)")
+    ap.add_argument("--groups", default="64", help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row)")
     args = ap.parse_args()
     base = evaluate(args.model, "float32", args.tokens)
     tests = [evaluate(args.model, args.dtype, args.tokens, int(g)) for g in args.groups.split(",")]
