@@ -16,7 +16,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from agent.projections import embedding, fp32_projections, int8_projections, lm_head
+from agent.native import custom_ops
+from agent.projections import embedding, lm_head, projection_arrays
 
 NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
 # MindSpore CPU's MatMul is fastest with [in, out] weights for few rows and with [out, in] weights
@@ -128,24 +129,9 @@ class LlamaModel(nn.Cell):
         self.rotate = param("rotate_half", rot)
         self.matmul_t = ops.MatMul(transpose_b=True)
         self.bmm = ops.BatchMatMul()
-        # Native CPU kernels (agent/kernels), when built: the projections on oneDNN's sgemm (one
-        # weight layout serves every batch size), paged attention reading the cache by slot (no
-        # gathered K/V copy, mask or permutes), and RMSNorm / rope / SwiGLU each as one op instead of 4-5.
-        if self.native:
-            def custom(name, out_shape, out_dtype):
-                return ops.Custom(f"{native_lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
-            same = lambda x, *_: x  # noqa: E731
-            self.linear_op = custom("Linear", lambda x, w: [x[0], w[1]], same)
-            self.linear_i8_op = custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same)
-            self.add_rms_linear_i8_op = custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]),
-                                               lambda x, *_: (x, x))
-            self.swiglu_linear_i8_op = custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same)
-            self.paged_attention = custom("PagedAttention", same, same)
-            self.rms_op = custom("RmsNorm", same, same)
-            self.add_rms_op = custom("AddRmsNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
-            self.swiglu_op = custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same)
-            self.rope_op = custom("Rope", lambda qkv, *_: ([qkv[0], self.q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
-                                  lambda qkv, *_: (qkv, qkv, qkv))
+        if self.native:  # agent/kernels, when built
+            for name, op in custom_ops(native_lib, self.q_size, kv, hd).items():
+                setattr(self, name, op)
             self.eps = param("rms_eps", np.array([cfg.rms_eps], np.float32))
 
         kc, vc = [], []
@@ -154,27 +140,13 @@ class LlamaModel(nn.Cell):
             vc.append(param(f"v_cache{i}", np.zeros((num_slots, kv, hd), np.float32)))
         self.k_cache = ms.ParameterTuple(kc)
         self.v_cache = ms.ParameterTuple(vc)
-        # Per projection: the weight ([in, out] fp32, or int8 rows [out, Kp]) and what goes with it:
-        # MindSpore's [out, in] copy for graphs of many rows (plain path), int8 scales and the norm gain.
-        tuples: dict[str, list[Parameter]] = {}
-
-        def add(name: str, i: int, arr: np.ndarray) -> None:
-            dtype = np.int8 if arr.dtype == np.int8 else np.float32
-            tuples.setdefault(name, []).append(Parameter(Tensor(np.ascontiguousarray(arr, dtype=dtype)),
-                                                         name=f"{name}{i}", requires_grad=False))
-        if self.int8:
-            for i, layer in enumerate(int8_projections(cfg, w, self.scale, ranges, int8_group)):
-                for name, (rows, gain) in layer.items():
-                    add(name, i, rows.q), add(name + "_s", i, rows.scale), add(name + "_g", i, gain)
-        else:
-            for i, layer in enumerate(fp32_projections(cfg, w, self.scale)):
-                for name, mat in layer.items():
-                    add(name, i, mat.T)
-                    if not self.native:
-                        add(name + "_t", i, mat)
-        for name in ("qkv", "o", "gate_up", "down"):
-            for suffix in ("", "_t", "_s", "_g"):
-                setattr(self, name + suffix, ms.ParameterTuple(tuples.get(name + suffix, [])))
+        tuples: dict[str, list[Parameter]] = {f"{n}{x}": [] for n in ("qkv", "o", "gate_up", "down")
+                                              for x in ("", "_t", "_s", "_g")}
+        for name, arr in projection_arrays(cfg, w, self.scale, int8, ranges, int8_group, not self.native):
+            tuples[name].append(Parameter(Tensor(np.ascontiguousarray(arr)), name=f"{name}{len(tuples[name])}",
+                                          requires_grad=False))
+        for name, params in tuples.items():
+            setattr(self, name, ms.ParameterTuple(params))
 
     @property
     def weight_bytes(self) -> int:

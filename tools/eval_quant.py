@@ -2,13 +2,20 @@
 that ships with the project (tools/data/eval_corpus.txt) and agreement of greedy continuations of a
 fixed prompt set. Runs our real runner (MindSpore graphs, native kernels) in this process.
 
-    python tools/eval_quant.py [--model smollm2] [--dtype int8] [--tokens 16]
+    python tools/eval_quant.py [--model smollm2] [--dtype int8] [--tokens 16] [--groups 64,0]
+                               [--llama-cpp .peers/llamacpp/bin/llama-server --gguf-dir .peers/models/smollm2]
+
+--llama-cpp adds the same greedy comparison for llama.cpp's q8_0 against its own f32, from
+model-f32.gguf and model-q8_0.gguf (tools/export_model.py) of the same weights.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -106,12 +113,39 @@ def agreement(a: list[list[int]], b: list[list[int]], n: int | None = None) -> f
     return sum(x[:n] == y[:n] for x, y in zip(a, b)) / len(a)
 
 
+def llama_cpp_greedy(server: str, gguf: Path, prompts: list[list[int]], n: int, port: int = 8091) -> list[list[int]]:
+    """n greedy tokens after each token-id prompt from a llama.cpp server on `gguf` (2 threads)."""
+    proc = subprocess.Popen([server, "-m", str(gguf), "--port", str(port), "-t", "2", "-np", "1", "-c", "2048"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/health")
+                break
+            except OSError:
+                time.sleep(1)
+        out = []
+        for ids in prompts:
+            body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                    "return_tokens": True, "ignore_eos": True}
+            req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            out.append(json.load(urllib.request.urlopen(req))["tokens"])
+        return out
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="int8")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--groups", default="64", help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row)")
+    ap.add_argument("--llama-cpp", help="a llama-server binary: also compare llama.cpp q8_0 with its f32")
+    ap.add_argument("--gguf-dir", type=Path, help="folder with model-f32.gguf and model-q8_0.gguf")
     args = ap.parse_args()
     base = evaluate(args.model, "float32", args.tokens)
     tests = [evaluate(args.model, args.dtype, args.tokens, int(g)) for g in args.groups.split(",")]
@@ -122,6 +156,16 @@ def main() -> None:
         same = " / ".join(f"{agreement(base['greedy'], r['greedy'], n):.0%}" for n in (None, 8, 4))
         print(f"| {r['dtype']} | {r['perplexity']:.3f} | {r['perplexity'] / base['perplexity'] - 1:+.2%} | "
               f"{same} | {r['weight_bytes'] / 2**20:.0f} |")
+    if args.llama_cpp:
+        from common.model_files import resolve_model
+        from common.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve_model(args.model))
+        prompts = [tok.encode(p) for p in PROMPTS]
+        f32, q8 = (llama_cpp_greedy(args.llama_cpp, args.gguf_dir / f"model-{t}.gguf", prompts, args.tokens)
+                   for t in ("f32", "q8_0"))
+        same = " / ".join(f"{agreement(f32, q8, n):.0%}" for n in (None, 8, 4))
+        print(f"| llama.cpp q8_0 vs its f32 | - | - | {same} | - |")
 
 
 if __name__ == "__main__":
