@@ -240,9 +240,21 @@ def test_unknown_and_unhonoured_config_keys_are_named(tmp_path):
     assert any("batching_strategy 'static'" in n for n in notes)
     assert any("model_dtype 'float16'" in n for n in notes)
     assert any("decode steps never wait" in n for n in notes)
+    assert load_config(path).model_dtype == "float32"
 
 
-def test_docs_config_lists_every_key():
+@pytest.mark.parametrize("value,dtype", [("DataType.INT8", "int8"), ("int8", "int8"), ("w8a8", "int8"),
+                                         ("DataType.FLOAT32", "float32"), ("float16", "float32")])
+def test_model_dtype_spellings(tmp_path, value, dtype):
+    from common.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model_config:\n  model_dtype: {value}\n")
+    cfg = load_config(path)
+    assert cfg.model_dtype == dtype
+    assert any("model_dtype" in n for n in cfg.notices) == (value == "float16")
+    with pytest.raises(ValueError, match="quant_group_size"):
+        load_config(path, quant_group_size=2)
     from pathlib import Path
 
     from common.config_keys import HONOURED, IGNORED
