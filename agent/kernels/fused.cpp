@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "rows.h"
+
 namespace {
 
 bool f32(const char *dtype) { return std::strcmp(dtype, "float32") == 0; }
@@ -38,11 +40,7 @@ extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, c
   const float *gu = static_cast<const float *>(params[0]);
   float *y = static_cast<float *>(params[1]);
   const int64_t n = shapes[0][0], f = shapes[0][1] / 2;
-  for (int64_t r = 0; r < n; ++r) {
-    const float *g = gu + r * 2 * f, *u = g + f;
-    float *yr = y + r * f;
-    for (int64_t i = 0; i < f; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  for (int64_t r = 0; r < n; ++r) kernels::swiglu_row(gu + r * 2 * f, f, y + r * f);
   return 0;
 }
 
@@ -88,16 +86,6 @@ extern "C" int AddRmsNorm(int nparam, void **params, int *ndims, int64_t **shape
   const float eps = *static_cast<const float *>(params[2]);
   float *sum = static_cast<float *>(params[3]), *y = static_cast<float *>(params[4]);
   const int64_t n = shapes[0][0], d = shapes[0][1];
-  for (int64_t r = 0; r < n; ++r) {
-    const float *xr = x + r * d, *dr = delta + r * d;
-    float *sr = sum + r * d, *yr = y + r * d;
-    float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) {
-      sr[i] = xr[i] + dr[i];
-      ss += sr[i] * sr[i];
-    }
-    const float scale = 1.f / std::sqrt(ss / d + eps);
-    for (int64_t i = 0; i < d; ++i) yr[i] = sr[i] * scale;
-  }
+  for (int64_t r = 0; r < n; ++r) kernels::add_rms_row(x + r * d, delta + r * d, eps, d, sum + r * d, y + r * d);
   return 0;
 }

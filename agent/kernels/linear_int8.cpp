@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "rows.h"
 
 namespace {
 
@@ -225,15 +226,7 @@ extern "C" int AddRmsLinearInt8(int nparam, void **params, int *ndims, int64_t *
   float *sum = static_cast<float *>(params[6]);
   gemm(m, k, static_cast<const int8_t *>(params[3]), static_cast<const float *>(params[4]),
        static_cast<const float *>(params[5]), s, n, static_cast<float *>(params[7]), [&](int64_t i, float *buf) {
-         const float *xr = x + i * k, *dr = delta + i * k;
-         float *sr = sum + i * k;
-         float ss = 0.f;
-         for (int64_t j = 0; j < k; ++j) {
-           sr[j] = xr[j] + dr[j];
-           ss += sr[j] * sr[j];
-         }
-         const float scale = 1.f / std::sqrt(ss / k + eps);
-         for (int64_t j = 0; j < k; ++j) buf[j] = sr[j] * scale;
+         kernels::add_rms_row(x + i * k, delta + i * k, eps, k, sum + i * k, buf);
          return static_cast<const float *>(buf);
        });
   return 0;
@@ -250,8 +243,7 @@ extern "C" int SwiGluLinearInt8(int nparam, void **params, int *ndims, int64_t *
   const float *gu = static_cast<const float *>(params[0]);
   gemm(m, k, static_cast<const int8_t *>(params[1]), static_cast<const float *>(params[2]),
        static_cast<const float *>(params[3]), s, n, static_cast<float *>(params[4]), [&](int64_t i, float *buf) {
-         const float *gate = gu + i * 2 * k, *up = gate + k;
-         for (int64_t j = 0; j < k; ++j) buf[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+         kernels::swiglu_row(gu + i * 2 * k, k, buf);
          return static_cast<const float *>(buf);
        });
   return 0;
