@@ -131,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, model_dtype=args.model_dtype)
+    overrides = {"model_dtype": args.model_dtype} if args.model_dtype else {}  # agents reload the config with them
+    cfg = load_config(args.config, **overrides)
     for line in cfg.notices:
         log.warning("config: %s", line)
     try:
-        procs = start_agents(cfg, args.config, {})
+        procs = start_agents(cfg, args.config, overrides)
     except AgentStartError as exc:
         log.error("%s", exc)
         return 1
@@ -149,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    return supervise(cfg, args.config, procs)
+    return supervise(cfg, args.config, overrides, procs)
 
 
-def supervise(cfg: ServingConfig, config_path: str | None, procs: list[mp.process.BaseProcess]) -> int:
+def supervise(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
+              procs: list[mp.process.BaseProcess]) -> int:
     """Restart agents that exit (a crash, or a runtime failure), with backoff; give up on an agent
     that dies MAX_RESTARTS times in a row, each within STABLE_S of its restart."""
     restarts = [0] * len(procs)
@@ -170,7 +172,7 @@ def supervise(cfg: ServingConfig, config_path: str | None, procs: list[mp.proces
             log.warning("agent %d exited with code %s; restart %d/%d", i, proc.exitcode, restarts[i], MAX_RESTARTS)
             time.sleep(0.0 if restarts[i] == 1 else min(30.0, 2.0 ** (restarts[i] - 2)))
             try:
-                respawn_agent(cfg, config_path, {}, procs, i)
+                respawn_agent(cfg, config_path, overrides, procs, i)
             except AgentStartError as exc:
                 log.error("%s", exc)
             started[i] = time.monotonic()

@@ -1,6 +1,6 @@
 """int8 (W8A8): the kernel against exact integer NumPy arithmetic and against fp32 within the
 quantisation bound, GGUF Q8_0 loaded as stored, SmolLM2's accuracy in int8 vs fp32 (perplexity on
-the shipped corpus, greedy continuations), and a server started with `--dtype int8`."""
+the shipped corpus, greedy continuations), and `launch_agents --dtype int8` serving a server."""
 from __future__ import annotations
 
 import httpx
@@ -130,27 +130,49 @@ def test_smollm2_int8_tracks_fp32():
     assert int8["weight_bytes"] < 0.45 * base["weight_bytes"]
 
 
-def test_server_with_dtype_int8_reports_it_and_matches_the_runner(tmp_path, tiny_model_dir):
-    """`llm-serving --dtype int8`: /info and the original's model info say int8, and a greedy request
-    returns what our int8 runner computes in this process from the same weights and calibration."""
+def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model_dir):
+    """`launch_agents --dtype int8` (the YAML says nothing of dtype) and `llm-serving --attach`: both
+    info endpoints say int8 (the agents' dtype, not the server's YAML), and a greedy request returns
+    what our int8 runner computes in this process from the same weights and calibration."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     from agent.calibrate import CALIBRATION_TEXT
     from agent.runner import ModelRunner, RunnerConfig
     from agent.weights import load_model
     from common.model_files import ModelFiles
     from common.tokenizer import load_tokenizer
-    from tests.helpers import ServerProcess, tiny_config
+    from tests.helpers import ROOT, ServerProcess, tiny_config
     from tools.eval_quant import greedy
 
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir), "--dtype", "int8")
+    config = tiny_config(tmp_path, tiny_model_dir)
+    (tmp_path / "run").mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_SERVING_RUNTIME_DIR": str(tmp_path / "run")}
+    log = tmp_path / "launch.log"
+    launcher = subprocess.Popen([sys.executable, "-m", "llm_serving.launch", "--config", str(config), "--dtype", "int8"],
+                                cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     try:
-        assert httpx.get(f"{srv.url}/info").json()["model_dtype"] == "int8"
-        assert '"model_dtype": "int8"' in httpx.get(f"{srv.url}/serving/get_serverd_model_info").text
-        prompt = [5, 60, 61, 62, 9, 33, 120]
-        r = httpx.post(f"{srv.url}/generate", json={"inputs": prompt, "parameters": {
-            "max_new_tokens": 6, "ignore_eos": True, "details": True}}, timeout=120).json()
-        served = [t["id"] for t in r["details"]["tokens"]]
+        deadline = time.monotonic() + 300
+        while "all agents started" not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        srv = ServerProcess(config, "--attach", env=env)
+        try:
+            assert httpx.get(f"{srv.url}/info").json()["model_dtype"] == "int8"
+            assert '"model_dtype": "int8"' in httpx.get(f"{srv.url}/serving/get_serverd_model_info").text
+            prompt = [5, 60, 61, 62, 9, 33, 120]
+            r = httpx.post(f"{srv.url}/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 6, "ignore_eos": True, "details": True}}, timeout=120).json()
+            served = [t["id"] for t in r["details"]["tokens"]]
+        finally:
+            srv.stop()
     finally:
-        srv.stop()
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(60)
     files = ModelFiles("hf", tiny_model_dir)
     cfg, weights = load_model(files, 128, int8=True)
     rc = RunnerConfig(num_blocks=16, block_size=16, max_model_len=128, token_buckets=[1, 16], max_rows=1,
