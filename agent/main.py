@@ -19,7 +19,7 @@ from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
 from shm.endpoint import PortInUse, PortLock, agent_address
-from shm.step import StepDims, check_indices
+from shm.step import StepDims, check_decode, check_indices
 from shm.transport import load_step_frames
 
 log = logging.getLogger("llm_serving.agent")
@@ -56,7 +56,7 @@ class AgentServer:
 
     def __init__(self, address: str, runner: Any, info: dict[str, Any], owner_pid: int | None = None):
         self.address, self.runner, self.info, self.owner_pid = address, runner, info, owner_pid
-        self.arena: Arena | None = None
+        self.arenas: list[Arena] = []  # the attached server's arena slots
         self.segment: Segment | None = None
         self.peer: bytes | None = None  # routing id of the attached server
         self.server_pid: int | None = None
@@ -66,7 +66,7 @@ class AgentServer:
 
     # ------------------------------------------------------------ attachment
     def _attached_to_live_server(self) -> bool:
-        if self.arena is None:
+        if not self.arenas:
             return False
         if self.segment is not None:  # a local server: its pid says
             return self.server_pid is not None and pid_alive(self.server_pid)
@@ -75,9 +75,9 @@ class AgentServer:
     def _detach(self, server_dead: bool = False) -> None:
         """Forget the attached server; a dead local server's arena segment is unlinked too (nobody
         else would: its creator is gone)."""
-        if self.arena is not None:
+        if self.arenas:
             log.info("server pid %s detached", self.server_pid)
-        self.arena = None
+        self.arenas = []
         if self.segment is not None:
             self.segment.close()
             if server_dead:
@@ -94,31 +94,35 @@ class AgentServer:
         spec = ArenaSpec.from_wire(h["spec"])
         if h["arena"]:
             self.segment = Segment(h["arena"])
-            self.arena = Arena(spec, self.segment.buf)
-        else:
-            self.arena = Arena.private(spec)
+        self.arenas = Arena.slots(spec, self.segment.buf if self.segment else None)
         self.peer, self.server_pid, self.last_msg = peer, h["server_pid"], time.monotonic()
         log.info("server pid %d attached", self.server_pid)
         return self._status()
 
     def _status(self) -> dict[str, Any]:
-        return {**self.info, "pid": os.getpid(), "attached": self.arena is not None, "server_pid": self.server_pid,
+        return {**self.info, "pid": os.getpid(), "attached": bool(self.arenas), "server_pid": self.server_pid,
                 "graph_compiles": self.runner.graph_compiles, "protocol": P.VERSION}
 
     # ------------------------------------------------------------ commands
     def _step(self, peer: bytes, msg: P.Message) -> tuple[dict[str, Any], list[bytes]]:
-        if self.arena is None or peer != self.peer:
+        t0 = time.perf_counter()
+        if not self.arenas or peer != self.peer:
             raise CommandError(P.E_NOT_ATTACHED, "step from a server that is not attached (send # first)")
         h = msg.header
         dims = StepDims(h["n_tokens"], h["n_rows"], h["width"])
-        if not self.arena.spec.fits(dims):
-            raise CommandError(P.E_BAD_STEP, f"step {dims} exceeds the arena {self.arena.spec}")
+        if not h["slot"] < len(self.arenas):
+            raise CommandError(P.E_BAD_STEP, f"slot {h['slot']} outside the arena's {len(self.arenas)}")
+        arena = self.arenas[h["slot"]]
+        if not arena.spec.fits(dims):
+            raise CommandError(P.E_BAD_STEP, f"step {dims} exceeds the arena {arena.spec}")
         try:
             if self.segment is None:
-                load_step_frames(self.arena, msg)
-            v = self.arena.step(dims)
+                load_step_frames(arena, msg)
+            v = arena.step(dims)
             rc = self.runner.rc
             check_indices(v, self.runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
+            if msg.cmd == P.DECODE_STEP:
+                check_decode(v)
             self.runner.graph_for(v.inputs)
         except ValueError as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
@@ -126,15 +130,16 @@ class AgentServer:
             model_s = self.runner.step(v, h["free"])
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
-        frames = [] if self.segment is not None else self.arena.output_frames(dims.n_rows)
-        return {"model_s": model_s, "graph_compiles": self.runner.graph_compiles}, frames
+        frames = [] if self.segment is not None else arena.output_frames(dims.n_rows)
+        return {"model_s": model_s, "agent_s": time.perf_counter() - t0,
+                "graph_compiles": self.runner.graph_compiles}, frames
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
         """Never raises: malformed input or a failed command becomes an error reply."""
         try:
             msg = P.decode(parts)
         except P.ProtocolError as exc:
-            return P.error_reply(P.E_PROTOCOL, f"protocol: {exc}", None)
+            return P.error_reply(P.E_PROTOCOL, f"protocol: {exc}", exc.msg_id)
         mid = msg.header.get("id")
         if peer == self.peer:
             self.last_msg = time.monotonic()
@@ -177,7 +182,7 @@ class AgentServer:
                 elif self.owner_pid and not pid_alive(self.owner_pid):
                     log.info("launcher pid %d is gone; exiting", self.owner_pid)
                     break
-                elif self.arena is not None and not self._attached_to_live_server():
+                elif self.arenas and not self._attached_to_live_server():
                     log.info("server pid %s went away without detaching", self.server_pid)
                     self._detach(server_dead=True)
         finally:

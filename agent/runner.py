@@ -129,6 +129,7 @@ class ModelRunner:
                                 int8=int8, ranges=ranges, int8_group=rc.int8_group)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
+        self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
 
     @property
@@ -148,9 +149,9 @@ class ModelRunner:
         logits, lse = self.model(*args)
         return logits.asnumpy(), lse.asnumpy()
 
-    def forward(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, x: StepInputs, fed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Logits [R, vocab] and log-sum-exp [R] at the last query token of every row, from one
-        graph call over the packed tokens of all rows."""
+        graph call over the packed tokens of all rows (`fed`: the tokens with fed rows filled in)."""
         qlens = x.query_lens
         n_rows, n_tokens = qlens.shape[0], x.tokens.shape[0]
         starts = self._starts(qlens, n_tokens)
@@ -161,7 +162,7 @@ class ModelRunner:
         # Padding tokens get a row of their own when there is one (an all-zero table: slot 0).
         token_rows = np.full(t_pad, min(n_rows, r_pad - 1), np.int32)
         tables = np.zeros((r_pad, self.rc.width), np.int32)
-        tokens[:n_tokens] = x.tokens
+        tokens[:n_tokens] = x.tokens if fed is None else fed
         positions[:n_tokens] = x.positions
         slots[:n_tokens] = x.slots
         token_rows[:n_tokens] = np.repeat(np.arange(n_rows, dtype=np.int32), qlens)
@@ -192,17 +193,22 @@ class ModelRunner:
         """Run one step described by arena views `v`; writes its outputs. Returns model seconds."""
         for seq in free:
             self.histories.pop(seq, None)
+            self.last.pop(seq, None)
         x = v.inputs
         if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
             return 0.0
-        self._track_histories(x, v.sampling, self._starts(x.query_lens, x.tokens.shape[0]))
+        starts = self._starts(x.query_lens, x.tokens.shape[0])
+        tokens, unfed = self._feed(x, starts)
+        self._track_histories(x, tokens, v.sampling, starts)
         t0 = time.perf_counter()
-        logits, lse = self.forward(x)
+        logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
         sampled = np.nonzero(x.sample)[0]
         if sampled.size:
             hist = [self._history(int(x.seq_ids[r])) for r in sampled]
             res = sample(logits[sampled], lse[sampled], v.sampling.take(sampled), hist, self.rng)
+            res.ids[unfed[sampled]] = -1  # its input was unknown: this row fails, its neighbours go on
+            self.last.update(zip(x.seq_ids[sampled].tolist(), res.ids.tolist()))
             out = v.outputs
             out.ids[sampled] = res.ids
             out.logprobs[sampled] = res.logprobs
@@ -211,14 +217,27 @@ class ModelRunner:
             out.top_logprobs[sampled, :n] = res.top_logprobs
         return elapsed
 
-    def _track_histories(self, x: StepInputs, cols: SamplingColumns, starts: np.ndarray) -> None:
+    def _feed(self, x: StepInputs, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step's tokens with every fed row's token replaced by its sequence's last sample here,
+        and which rows had none (a sequence this agent never sampled, or whose sampling failed)."""
+        tokens = x.tokens
+        unfed = np.zeros(x.feed.shape[0], bool)
+        rows = np.nonzero(x.feed)[0]
+        if rows.size:
+            tokens = tokens.copy()  # the arena's inputs stay as the server wrote them
+            last = np.array([self.last.get(int(s), -1) for s in x.seq_ids[rows]], np.int32)
+            unfed[rows] = last < 0
+            tokens[starts[rows]] = np.maximum(last, 0)
+        return tokens, unfed
+
+    def _track_histories(self, x: StepInputs, tokens: np.ndarray, cols: SamplingColumns, starts: np.ndarray) -> None:
         """Penalties need every token a sequence has fed; a chunk starting at position 0 restarts it."""
         for r in np.nonzero(needs_penalty(cols))[0]:
             s, q = starts[r], x.query_lens[r]
             seq = int(x.seq_ids[r])
             if x.positions[s] == 0:
                 self.histories[seq] = []
-            self.histories.setdefault(seq, []).extend(x.tokens[s:s + q].tolist())
+            self.histories.setdefault(seq, []).extend(tokens[s:s + q].tolist())
 
     def _history(self, seq: int) -> np.ndarray | None:
         h = self.histories.get(seq)
@@ -226,6 +245,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.histories.clear()
+        self.last.clear()
 
     def warmup(self) -> None:
         """Build every graph a step can run (one per token bucket) before traffic, in a fixed order:

@@ -57,6 +57,7 @@ class ServingConfig:
     max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
     warmup: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before
+    overlap_steps: bool = True  # send step N+1 while step N runs (decodes fed by the agent's own samples)
     request_log: str | None = None  # a JSON-lines file: every request's life-cycle timestamps
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     # pa_config
@@ -165,6 +166,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.agent_ports = [int(p) for p in sc.get("agent_ports", c.agent_ports)]
     c.warmup = bool(sc.get("warmup", c.warmup))
     c.enable_prefix_caching = bool(sc.get("enable_prefix_caching", c.enable_prefix_caching))
+    c.overlap_steps = bool(sc.get("overlap_steps", c.overlap_steps))
     c.agent_cores = [list(map(int, x)) for x in sc.get("agent_cores", [])]
     c.num_blocks = int(pa.get("num_blocks", c.num_blocks))
     c.block_size = int(pa.get("block_size", c.block_size))

@@ -30,7 +30,7 @@ class AttachError(RuntimeError):
 
 
 def arena_spec(cfg: ServingConfig) -> ArenaSpec:
-    return ArenaSpec(cfg.token_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq)
+    return ArenaSpec(cfg.token_buckets[-1], cfg.max_rows, cfg.max_blocks_per_seq, slots=2)
 
 
 def _agent_pid(port: int, wait_s: float) -> int:
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", dest="model_path", help="smollm2, a .gguf file, a HF folder or a .ckpt")
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"],
                     help="model_config.model_dtype: int8 runs projections and LM head as W8A8")
+    ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
+                    help="serving_config.overlap_steps: false (one step in flight at a time)")
     ap.add_argument("--host", dest="server_ip")
     ap.add_argument("--port", dest="server_port", type=int)
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
@@ -177,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port")
-                 if getattr(args, k)}
+    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port", "overlap_steps")
+                 if getattr(args, k) is not None}
     started = time.monotonic()
     cfg = load_config(args.config, **overrides)
     for line in cfg.notices:

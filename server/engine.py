@@ -17,12 +17,13 @@ from typing import Any
 
 from common.config import ServingConfig
 from server.detok import IncrementalDetokenizer
-from server.lane import AgentLane, LaneState
+from server.lane import AgentLane, InFlight, LaneState
 from server.metrics import Metrics
 from server.output import OutputProcessor
 from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
 from server.supervisor import Restart, Supervisor
+from server.trace import StepRecord, StepTrace
 from common.tokenizer import TextTokenizer
 from shm import protocol as P
 from shm.step import read_row
@@ -66,7 +67,7 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.steps: list[dict[str, Any]] = []  # recent step timeline (Chrome trace)
+        self.trace = StepTrace()  # recent steps, both sides (/debug/trace)
         self.step_count = 0
         self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
@@ -136,9 +137,9 @@ class Engine:
                 # IDLE_WAIT_S between steps: 200 ms gaps, a third of an all-at-once run.
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
-                for lane in self.lanes:
-                    if lane.live and not lane.busy:
-                        self._launch(lane, now)
+                for lane in self.lanes:  # with overlap: steps N and N+1 back to back
+                    while lane.can_send and self._launch(lane, now):
+                        pass
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
                     self._poll(lane, 0.005 if len(busy) > 1 else 0.05)
@@ -207,17 +208,20 @@ class Engine:
         req.lane = target.index
         target.sched.add(req.seq)
 
-    def _launch(self, lane: AgentLane, now: float) -> None:
+    def _launch(self, lane: AgentLane, now: float) -> bool:
+        """Plan and send a step; False if there was nothing to send."""
         if lane.sched.batch_hold(now) > 0:  # an idle lane collecting a prefill batch (short)
-            return
+            return False
+        planned_at = time.monotonic()
         preempted = lane.sched.preempted
         plan = lane.sched.schedule()
         if lane.sched.preempted > preempted:
             self.metrics.preemptions.inc(lane.sched.preempted - preempted)
         try:
             if not plan:
-                lane.ping_if_due(now)
-                return
+                if not lane.busy:
+                    lane.ping_if_due(now)
+                return False
             self.metrics.prefill_tokens.inc(sum(p.n_tokens for p in plan if p.seq.computed < len(p.seq.prompt)))
             for p in plan:
                 req = p.seq.request
@@ -225,15 +229,17 @@ class Engine:
                     self._unqueue()
                     req.status = Status.RUNNING
                     req.first_scheduled_at = now
-            lane.send_plan(plan)
+            lane.send_plan(plan, planned_at)
             for p in plan:
                 if p.seq.request.inference_begin_at is None:
                     p.seq.request.inference_begin_at = lane.sent_at
+            return True
         except AgentDead:
             self._lane_down(lane, "agent died")
+            return False
 
     def _poll(self, lane: AgentLane, timeout_s: float) -> None:
-        plan = lane.inflight
+        head = lane.inflight[0] if lane.inflight else None
         try:
             body = lane.poll(timeout_s)
         except AgentDead:
@@ -243,9 +249,11 @@ class Engine:
             if exc.code == P.E_NOT_ATTACHED:  # another server took the agent over (`r`): recompute elsewhere
                 self._lane_down(lane, f"agent was taken over: {exc}", kill=False)
                 return
-            lane.inflight = None  # this step's requests fail with its reason; the others go on
-            for p in plan or []:
-                self._end(p.seq.request, "error", f"step failed: {exc}")
+            if head is not None:  # this step's requests fail with its reason; the others go on
+                lane.inflight.popleft()
+                lane.replied_at = time.monotonic()
+                for p in head.plan:
+                    self._end(p.seq.request, "error", f"step failed: {exc}")
             if exc.fatal:
                 self._lane_down(lane, f"agent runtime failed: {exc}")
             return
@@ -254,22 +262,25 @@ class Engine:
             if lane.stuck(now):
                 self._lane_down(lane, f"no reply for {self.cfg.step_timeout_s:.0f}s (stuck)")
             return
-        lane.inflight, lane.restarts = None, 0
-        self._step_done(lane, plan, body, now)
+        lane.inflight.popleft()
+        lane.restarts = 0
+        self._step_done(lane, head, body, now)
 
-    def _step_done(self, lane: AgentLane, plan: list, body: dict, now: float) -> None:
-        kind = "prefill" if any(p.n_tokens > 1 for p in plan) else "decode"
-        self.metrics.step_time.labels(kind).observe(now - lane.sent_at)
+    def _step_done(self, lane: AgentLane, step: InFlight, body: dict, now: float) -> None:
+        plan = step.plan
+        start = max(step.sent_at, lane.replied_at)  # the agent ran the step before this one until then
+        lane.replied_at = now
+        kind = "prefill" if not all(p.feed for p in plan) else "decode"
+        self.metrics.step_time.labels(kind).observe(now - start)
         self.step_count += 1
-        self.step_wall_s += now - lane.sent_at
-        self.steps.append({"agent": lane.index, "kind": kind, "start": lane.sent_at, "end": now, "rows": len(plan),
-                           "n_tokens": sum(p.n_tokens for p in plan), "model_s": body.get("model_s", 0.0)})
-        del self.steps[:-2000]
+        self.step_wall_s += now - start
         self.metrics.graph_compiles.inc(lane.new_compiles(body))
         lane.sched.step_done(plan)
-        outputs = lane.client.arena.full.outputs
+        outputs = lane.client.arenas[step.slot].full.outputs
         for i, p in enumerate(plan):
             req = p.seq.request
+            if req.status is Status.DONE:  # it ended while this step ran: its row is discarded
+                continue
             req.inference_end_at = now
             if p.seq.aborted:
                 self._end(req, "cancelled")
@@ -281,10 +292,13 @@ class Engine:
                 reason = self.out.token(req, row.token, row.logprob, row.top, now)
                 if reason:
                     self._end(req, reason)
+        self.trace.record(StepRecord(lane.index, kind, len(plan), sum(p.n_tokens for p in plan), step.sent_at, start,
+                                     now, step.prepare_s, time.monotonic() - now, body.get("model_s", 0.0),
+                                     body.get("agent_s", 0.0)))
 
     def _cancel(self, req: Request) -> None:
         lane = self.lanes[req.lane]
-        if lane.inflight is not None and any(p.seq is req.seq for p in lane.inflight):
+        if lane.in_flight(req.seq):
             req.seq.aborted = True  # ends when its step returns
         else:
             self._end(req, "cancelled")
@@ -343,8 +357,4 @@ class Engine:
 
     def chrome_trace(self) -> dict[str, Any]:
         """Recent steps as a Chrome trace (chrome://tracing, Perfetto)."""
-        t0 = self.steps[0]["start"] if self.steps else 0.0
-        events = [{"name": f"{s['kind']} r={s['rows']} t={s['n_tokens']}", "ph": "X", "pid": 1, "tid": s["agent"],
-                   "ts": (s["start"] - t0) * 1e6, "dur": (s["end"] - s["start"]) * 1e6,
-                   "args": {"model_ms": round(s["model_s"] * 1e3, 3)}} for s in self.steps]
-        return {"traceEvents": events}
+        return self.trace.chrome()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,13 +27,26 @@ class LaneState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass
+class InFlight:
+    """A step sent and awaiting its reply."""
+    plan: list[Planned]
+    slot: int  # its arena slot
+    sent_at: float
+    prepare_s: float  # server time to plan, encode and send it
+
+
 class AgentLane:
     def __init__(self, index: int, client: AgentClient, cfg: ServingConfig):
         self.index, self.client, self.cfg = index, client, cfg
         self.sched = Scheduler(cfg)
         self.state = LaneState.LIVE
-        self.inflight: list[Planned] | None = None  # the step awaiting its reply
+        # Steps awaiting their replies, oldest first: two with overlap (the agent queues the
+        # second and starts it the moment it replies to the first), else one.
+        self.inflight: deque[InFlight] = deque()
+        self.depth = 2 if cfg.overlap_steps else 1
         self.sent_at = time.monotonic()  # when the command in flight (or the last one) was sent
+        self.replied_at = self.sent_at  # when the last step's reply came: the agent's next step starts then
         self.ping_pending = False
         self.pending_free: list[int] = []  # finished sequence ids, told to the agent with the next step
         self.restarts = 0  # restarts in a row, reset by a successful step
@@ -45,19 +60,30 @@ class AgentLane:
 
     @property
     def busy(self) -> bool:
-        return self.inflight is not None or self.ping_pending
+        return bool(self.inflight) or self.ping_pending
 
-    def send_plan(self, plan: list[Planned]) -> None:
-        """Write the step into the arena and send it (raises AgentDead)."""
-        rows = [RowInput(p.seq.seq_id, np.asarray(p.seq.tokens[p.seq.computed:p.seq.computed + p.n_tokens], np.int32),
-                         p.seq.computed, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), len(p.seq.output))
+    @property
+    def can_send(self) -> bool:
+        return self.live and not self.ping_pending and len(self.inflight) < self.depth
+
+    def in_flight(self, seq: Sequence) -> bool:
+        return any(p.seq is seq for step in self.inflight for p in step.plan)
+
+    def send_plan(self, plan: list[Planned], planned_at: float) -> None:
+        """Write the step into a free arena slot and send it (raises AgentDead). Fed rows carry a
+        placeholder token: the agent takes its own last sample (their real token may not be back yet)."""
+        rows = [RowInput(p.seq.seq_id, np.zeros(1, np.int32) if p.feed else
+                         np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
+                         p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed)
                 for p in plan]
-        has_prefill = any(p.n_tokens > 1 or p.seq.computed < len(p.seq.prompt) for p in plan)
-        self.inflight = plan  # before sending: a dead agent's step is recomputed elsewhere
-        dims = self.client.arena.write_step(rows, self.cfg.block_size)
-        self.client.send_step(dims, free=self.pending_free, has_prefill=has_prefill)
+        slot = (self.inflight[-1].slot + 1) % self.depth if self.inflight else 0
+        # Before sending: a dead agent's step is recomputed elsewhere.
+        self.inflight.append(InFlight(plan, slot, 0.0, 0.0))
+        dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)
+        self.client.send_step(dims, free=self.pending_free, has_prefill=not all(p.feed for p in plan), slot=slot)
         self.pending_free = []
-        self.sent_at = time.monotonic()
+        self.sent_at = self.inflight[-1].sent_at = time.monotonic()
+        self.inflight[-1].prepare_s = self.sent_at - planned_at
 
     def ping_if_due(self, now: float) -> None:
         """Idle heartbeat: keeps remote agents attached and finds a dead or stopped one while idle."""
@@ -66,7 +92,8 @@ class AgentLane:
             self.ping_pending, self.sent_at = True, now
 
     def poll(self, timeout_s: float) -> dict | None:
-        """The reply to the step in flight, or None (none yet, or a heartbeat's). Raises AgentDead/AgentError."""
+        """The reply to the oldest step in flight, or None (none yet, or a heartbeat's). Raises
+        AgentDead/AgentError."""
         if self.ping_pending:
             try:
                 reply = self.client.poll(timeout_s)
@@ -81,14 +108,17 @@ class AgentLane:
         return self.client.poll_step(timeout_s)
 
     def stuck(self, now: float) -> bool:
-        return self.busy and now - self.sent_at > self.cfg.step_timeout_s
+        """No reply for step_timeout_s since the agent could start the oldest command in flight."""
+        if self.inflight:
+            return now - max(self.inflight[0].sent_at, self.replied_at) > self.cfg.step_timeout_s
+        return self.ping_pending and now - self.sent_at > self.cfg.step_timeout_s
 
     def go_down(self, why: str, now: float, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
         """The agent is gone or stuck (`kill`: kill what is left of it), or serves another server
-        now; start an empty KV pool. Returns the step in flight and every sequence the lane held
-        (to recompute)."""
-        plan = self.inflight or []
-        self.inflight, self.ping_pending, self.pending_free = None, False, []
+        now; start an empty KV pool. Returns the rows of the steps in flight and every sequence the
+        lane held (to recompute)."""
+        plan = [p for step in self.inflight for p in step.plan]
+        self.inflight, self.ping_pending, self.pending_free = deque(), False, []
         seqs = self.sched.drain()
         self.sched = Scheduler(self.cfg)
         if kill:

@@ -4,7 +4,12 @@ Each step: decodes first, then running chunked prefills, then new prompts, withi
 (Dynamic SplitFuse: long prompts are split into chunks, short ones fused into one step). When KV
 blocks run out for a decode or a chunk, the most recently admitted sequence is preempted and later
 recomputed. Liveness: every sequence fits the pool alone (`fits`, checked at admission), so the
-oldest running one always progresses and a plan is empty only when nothing is left to run.
+oldest running one always progresses and a plan is empty only when nothing is left to run (or
+everything left waits on a step in flight).
+
+Overlap: a plan advances `computed` when it is made, not when its reply comes, and counts each
+sampled row as a `pending` token until its reply; so step N+1 can be planned while step N runs.
+A decode whose input is such a pending token is a *fed* row: the agent takes its own last sample.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks, grown as computed
     preemptions: int = 0
     aborted: bool = False
+    pending: int = 0  # sampled in steps in flight, not yet back
+    agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
 
     @property
     def tokens(self) -> list[int]:
@@ -39,7 +46,13 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
-        return len(self.prompt) + len(self.output) - self.computed
+        return len(self.prompt) + len(self.output) + self.pending - self.computed
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """Its tokens in flight already end it by length (max_new_tokens or the context): no more rows."""
+        n_out = len(self.output) + self.pending
+        return self.pending > 0 and (n_out >= self.params.max_new_tokens
+                                     or len(self.prompt) + n_out >= max_model_len)
 
 
 @dataclass
@@ -47,6 +60,10 @@ class Planned:
     seq: Sequence
     n_tokens: int
     sample: bool
+    feed: bool = False  # a decode whose input token is the agent's own last sample for this sequence
+    start: int = 0  # position of the row's first token (the sequence's `computed` when planned)
+    output_len: int = 0  # tokens the sequence had generated before this row's sample (in flight included)
+    epoch: int = 0  # the sequence's preemptions when planned: its blocks are still the same while equal
 
 
 class Scheduler:
@@ -84,8 +101,8 @@ class Scheduler:
         """Take every sequence out (their agent died); their KV state is lost."""
         seqs = self.running + self.waiting
         self.running, self.waiting = [], []
-        for s in seqs:
-            s.table, s.computed = [], 0
+        for s in seqs:  # tokens in flight are lost with the agent
+            s.table, s.computed, s.pending, s.agent_has_next = [], 0, 0, False
         return seqs
 
     def _preempt(self, seq: Sequence) -> None:
@@ -130,8 +147,9 @@ class Scheduler:
         decoding = any(seq.remaining == 1 for seq in self.running)
         budget = self.cfg.token_budget if decoding else self.cfg.prefill_budget
         for seq in list(self.running):  # 1. decodes, oldest first
-            if seq in self.running and seq.remaining == 1 and self._reserve(seq, seq.computed + 1, plan):
-                plan.append(Planned(seq, 1, True))
+            if (seq in self.running and seq.remaining == 1 and not seq.at_limit(self.cfg.max_model_len)
+                    and self._reserve(seq, seq.computed + 1, plan)):
+                plan.append(Planned(seq, 1, True, feed=seq.agent_has_next))
                 budget -= 1
         prefill_rows = 0
         for seq in list(self.running):  # 2. chunks of prompts already started, oldest first
@@ -145,9 +163,12 @@ class Scheduler:
                 budget -= n
                 prefill_rows += 1
         self.waiting.sort(key=self._order_key)
-        while (self.waiting and budget > 0 and prefill_rows < self.cfg.max_prefill_rows
+        # A preempted sequence whose sampled token is still in flight waits for it: recomputing
+        # without it would sample that token a second time.
+        ready = [seq for seq in self.waiting if not seq.pending]
+        while (ready and budget > 0 and prefill_rows < self.cfg.max_prefill_rows
                and len(self.running) < self.max_running):  # 3. admit new prompts while blocks last
-            seq = self.waiting[0]
+            seq = ready[0]
             if not seq.table:
                 seq.table = self.blocks.match_prefix(seq.tokens)
                 seq.computed = len(seq.table) * self.cfg.block_size
@@ -156,14 +177,23 @@ class Scheduler:
                 self.blocks.release(seq.table)
                 seq.computed = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(ready.pop(0))
             self.running.append(seq)
             plan.append(Planned(seq, n, n == seq.remaining))
             budget -= n
             prefill_rows += 1
+        for p in plan:  # the plan is final: its rows count as computed, its samples as pending
+            seq = p.seq
+            p.start, p.output_len, p.epoch = seq.computed, len(seq.output) + seq.pending, seq.preemptions
+            seq.computed += p.n_tokens
+            seq.pending += p.sample
+            seq.agent_has_next = p.sample
         return plan
 
     def step_done(self, plan: list[Planned]) -> None:
+        """A step's reply is in (before its tokens are appended): its samples are no longer pending,
+        and the full blocks it computed are published for prefix reuse."""
         for p in plan:
-            p.seq.computed += p.n_tokens
-            self.blocks.register_full(p.seq.table, p.seq.tokens, p.seq.computed, p.seq.block_hashes)
+            p.seq.pending -= p.sample
+            if p.epoch == p.seq.preemptions and p.seq.table:
+                self.blocks.register_full(p.seq.table, p.seq.tokens, p.start + p.n_tokens, p.seq.block_hashes)

@@ -2,7 +2,9 @@
 
 The server writes a step's inputs, the agent writes the sampled outputs back. The layout is fixed by
 three capacities (tokens, rows, blocks per row) that travel in the handshake, so both sides compute
-identical offsets from the field declarations of shm/step.py.
+identical offsets from the field declarations of shm/step.py. The segment holds `slots` such
+step areas one after another: the server writes step N+1 into one while the agent runs step N
+from the other.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ class ArenaSpec:
     max_tokens: int
     max_rows: int
     max_blocks: int
+    slots: int = 1  # step areas: 2 lets one step be written while the other runs
+    MAX_SLOTS = 4
 
     def dims(self) -> dict[str, int]:
         return {"T": self.max_tokens, "R": self.max_rows, "W": self.max_blocks, "N": MAX_TOP_LOGPROBS}
@@ -42,16 +46,23 @@ class ArenaSpec:
             offset += -(-int(np.prod(shape)) * f.dtype.itemsize // _ALIGN) * _ALIGN
         return out, offset
 
+    @property
+    def size(self) -> int:
+        """Bytes of the whole segment: every slot."""
+        return self.layout()[1] * self.slots
+
     def to_wire(self) -> dict[str, int]:
-        return {"max_tokens": self.max_tokens, "max_rows": self.max_rows, "max_blocks": self.max_blocks}
+        return {"max_tokens": self.max_tokens, "max_rows": self.max_rows, "max_blocks": self.max_blocks,
+                "slots": self.slots}
 
     @classmethod
     def from_wire(cls, d: dict) -> "ArenaSpec":
         try:
-            spec = cls(int(d["max_tokens"]), int(d["max_rows"]), int(d["max_blocks"]))
+            spec = cls(int(d["max_tokens"]), int(d["max_rows"]), int(d["max_blocks"]), int(d["slots"]))
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"bad arena spec {d!r}") from None
-        if min(spec.max_tokens, spec.max_rows, spec.max_blocks) <= 0 or spec.layout()[1] > 1 << 34:
+        if (min(spec.max_tokens, spec.max_rows, spec.max_blocks, spec.slots) <= 0 or spec.slots > cls.MAX_SLOTS
+                or spec.size > 1 << 34):
             raise ValueError(f"bad arena spec {d}")
         return spec
 
@@ -60,22 +71,31 @@ class ArenaSpec:
 
 
 class Arena:
-    """Typed numpy views over a buffer laid out by `ArenaSpec`: `full` spans the capacity, `step()`
-    the live part of one step."""
+    """Typed numpy views over one slot of a buffer laid out by `ArenaSpec`: `full` spans the
+    capacity, `step()` the live part of one step."""
 
-    def __init__(self, spec: ArenaSpec, buf: memoryview | bytearray):
-        self.spec = spec
+    def __init__(self, spec: ArenaSpec, buf: memoryview | bytearray, slot: int = 0):
+        self.spec, self.slot = spec, slot
         layout, size = spec.layout()
-        if len(buf) < size:
+        if not 0 <= slot < spec.slots or len(buf) < size * spec.slots:
             raise ValueError("buffer smaller than the arena layout")
         self.buf = buf
-        arrays = {name: np.ndarray(shape, dtype, buffer=buf, offset=off) for name, (off, dtype, shape) in layout.items()}
+        base = slot * size
+        arrays = {name: np.ndarray(shape, dtype, buffer=buf, offset=base + off)
+                  for name, (off, dtype, shape) in layout.items()}
         self.full = StepView(*(cls(**{f.name: arrays[f.name] for f in field_specs(cls)}) for cls in SECTIONS))
 
     @classmethod
+    def slots(cls, spec: ArenaSpec, buf: memoryview | bytearray | None = None) -> list["Arena"]:
+        """Every slot of a segment's buffer (or of a private one in process memory, for a remote
+        tcp agent that gets tensors as frames)."""
+        buf = bytearray(spec.size) if buf is None else buf
+        return [cls(spec, buf, k) for k in range(spec.slots)]
+
+    @classmethod
     def private(cls, spec: ArenaSpec) -> "Arena":
-        """An arena in process memory, for a remote (tcp) agent that gets tensors as frames."""
-        return cls(spec, bytearray(spec.layout()[1]))
+        """A one-step arena in process memory (tools and tests that drive a runner directly)."""
+        return cls.slots(ArenaSpec(spec.max_tokens, spec.max_rows, spec.max_blocks))[0]
 
     def step(self, dims: StepDims) -> StepView:
         """The live part of every field for a step of this size."""

@@ -13,7 +13,9 @@ from typing import Any
 
 import msgpack
 
-VERSION = 2  # 2: the handshake carries KV geometry and model identity; `e` detaches instead of exiting
+# 2: the handshake carries KV geometry and model identity; `e` detaches instead of exiting.
+# 3: `a` rows are fed by the agent's own last samples (`feed` column); arena slots, a step names its `slot`.
+VERSION = 3
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
 COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT})
@@ -35,7 +37,7 @@ GEOMETRY_KEYS = ("block_size", "num_blocks", "max_model_len")
 MODEL_KEYS = ("name", "digest")
 
 # Required header keys and their types, per command.
-_STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "free": list}
+_STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "slot": int, "free": list}
 _REQUIRED: dict[bytes, dict[str, type]] = {
     HANDSHAKE: {"arena": (str, type(None)), "spec": dict, "server_pid": int, "geometry": dict, "model": dict},
     FULL_STEP: _STEP_KEYS, DECODE_STEP: _STEP_KEYS, RESET: {}, DETACH: {}, HEARTBEAT: {},
@@ -43,7 +45,12 @@ _REQUIRED: dict[bytes, dict[str, type]] = {
 
 
 class ProtocolError(ValueError):
-    """A malformed frame: answered with an error reply, never a crash."""
+    """A malformed frame: answered with an error reply, never a crash. `msg_id`: the header's `id`
+    when the header itself could be read, so the sender gets its answer at once."""
+
+    def __init__(self, message: str, msg_id: Any = None):
+        super().__init__(message)
+        self.msg_id = msg_id
 
 
 @dataclass
@@ -75,13 +82,21 @@ def decode(parts: list[bytes]) -> Message:
         raise ProtocolError(f"bad msgpack header: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
+    try:
+        _check_header(cmd, header)
+    except ProtocolError as exc:
+        raise ProtocolError(str(exc), header.get("id")) from None
+    return Message(cmd, header, [bytes(p) for p in parts[1:]])
+
+
+def _check_header(cmd: bytes, header: dict[str, Any]) -> None:
     if header.get("v") != VERSION:
         raise ProtocolError(f"protocol version {header.get('v')!r}, expected {VERSION}")
     for key, typ in _REQUIRED[cmd].items():
         if not isinstance(header.get(key), typ) or isinstance(header.get(key), bool):
             raise ProtocolError(f"{cmd.decode()}: header field {key!r} missing or not {typ}")
     if cmd in STEP_COMMANDS:
-        for key in ("n_tokens", "n_rows", "width"):
+        for key in ("n_tokens", "n_rows", "width", "slot"):
             if header[key] < 0:
                 raise ProtocolError(f"negative {key}")
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in header["free"]):
@@ -91,7 +106,6 @@ def decode(parts: list[bytes]) -> Message:
             for name in names:
                 if not isinstance(header[key].get(name), typ) or isinstance(header[key].get(name), bool):
                     raise ProtocolError(f"#: {key}.{name} missing or not {typ.__name__}")
-    return Message(cmd, header, [bytes(p) for p in parts[1:]])
 
 
 def encode_reply(ok: bool, body: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> list[bytes]:

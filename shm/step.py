@@ -34,6 +34,9 @@ class StepInputs:
     block_tables: np.ndarray = col("int32", "R", "W")
     seq_ids: np.ndarray = col("int64", "R")
     sample: np.ndarray = col("int32", "R")  # 1: sample after the row's last token (decode, or a prompt's last chunk)
+    # 1: a decode row whose one query token is the agent's own last sample for seq_ids[r] (its
+    # `tokens` entry is ignored): what lets the server send step N+1 before step N's tokens are back.
+    feed: np.ndarray = col("int32", "R")
 
 
 @dataclass
@@ -123,6 +126,14 @@ def check_indices(v: StepView, vocab: int, num_blocks: int, block_size: int, max
             raise ValueError(f"{name} out of range [0, {bound})")
     if np.any(v.sampling.n_logprobs > MAX_TOP_LOGPROBS) or np.any(v.sampling.n_logprobs < 0):
         raise ValueError(f"n_logprobs outside [0, {MAX_TOP_LOGPROBS}]")
+    if np.any((x.feed != 0) & (x.feed != 1)) or np.any((x.feed == 1) & (x.query_lens != 1)):
+        raise ValueError("feed must be 0 or 1, and a fed row has exactly one query token")
+
+
+def check_decode(v: StepView) -> None:
+    """Agent side, an `a` step: every row is a decode fed by the agent's own last sample (else ValueError)."""
+    if not (np.all(v.inputs.feed == 1) and np.all(v.inputs.sample == 1)):
+        raise ValueError("an `a` step has only fed, sampling rows (send rows with tokens as `*`)")
 
 
 # ------------------------------------------------------------------ server side: encode, read back
@@ -136,6 +147,7 @@ class RowInput:
     params: Any  # has the attributes named by SamplingColumns' `param`s (server.sampling_params.SamplingParams)
     prompt_len: int
     output_len: int
+    feed: bool = False  # take the query token from the agent's last sample (`tokens` is one placeholder)
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,7 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
     x.block_tables[:n, :width] = tables
     x.seq_ids[:n] = [r.seq_id for r in rows]
     x.sample[:n] = [int(r.sample) for r in rows]
+    x.feed[:n] = [int(r.feed) for r in rows]
     for f in fields(SamplingColumns):
         param, none = f.metadata["param"], f.metadata["none"]
         values = ([getattr(r, f.name) for r in rows] if param is None else

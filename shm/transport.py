@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import deque
 from typing import Any
 
 import zmq
@@ -56,15 +57,14 @@ class AgentClient:
         self.sock.connect(address)
         self.segment: Segment | None = None
         if self.local:
-            self.segment = Segment(segment_name(tag), spec.layout()[1], create=True)
-            self.arena = Arena(spec, self.segment.buf)
-        else:
-            self.arena = Arena.private(spec)
+            self.segment = Segment(segment_name(tag), spec.size, create=True)
+        self.arenas = Arena.slots(spec, self.segment.buf if self.segment else None)
         self.pid = pid
         self.info: dict[str, Any] = {}
         self._msg_id = 0
-        self._pending: int | None = None
-        self._pending_dims = StepDims(0, 0, 0)
+        # Commands awaiting their replies, oldest first: (id, step dims, slot). Steps may be
+        # pipelined up to one per arena slot (the agent runs them in order); others go alone.
+        self._pending: deque[tuple[int, StepDims, int]] = deque()
         self._connected = False
         self.dead = False
         self.closed = False
@@ -83,25 +83,37 @@ class AgentClient:
             raise AgentDead(f"agent at {self.address} is gone")
 
     # ------------------------------------------------------------ raw calls
-    def send(self, cmd: bytes, header: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> None:
-        if self._pending is not None:
-            raise RuntimeError("a command is already in flight")
+    @property
+    def arena(self) -> Arena:
+        """Slot 0: the arena of a client that has one step in flight at a time."""
+        return self.arenas[0]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def send(self, cmd: bytes, header: dict[str, Any] | None = None, frames: list[bytes] | None = None,
+             dims: StepDims = StepDims(0, 0, 0), slot: int = 0) -> None:
+        step = cmd in P.STEP_COMMANDS
+        if self._pending and (not step or len(self._pending) >= len(self.arenas)
+                              or any(s == slot for _, _, s in self._pending)):
+            raise RuntimeError("the command cannot be pipelined behind the ones in flight")
         self._check_alive()
         self._msg_id += 1
-        self._pending = self._msg_id
+        self._pending.append((self._msg_id, dims, slot))
         self.sock.send_multipart(P.encode(cmd, {**(header or {}), "id": self._msg_id}, frames))
 
     def poll(self, timeout_s: float) -> tuple[dict[str, Any], list[bytes]] | None:
-        """Wait up to timeout_s for the reply to the command in flight; None on timeout."""
+        """Wait up to timeout_s for the reply to the oldest command in flight; None on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
             wait = max(0.0, min(POLL_MS / 1000, deadline - time.monotonic()))
             if self.sock.poll(int(wait * 1000)):
                 ok, body, frames = P.decode_reply(self.sock.recv_multipart(copy=True))
-                if body.get("id") != self._pending:
+                if not self._pending or body.get("id") != self._pending[0][0]:
                     continue  # a late reply to a command we gave up on
-                self._pending = None
+                self._pending.popleft()
                 if not ok:
                     raise AgentError(str(body.get("error", "agent failed")), str(body.get("code", P.E_FAILED)))
                 return body, frames
@@ -112,7 +124,7 @@ class AgentClient:
         self.send(cmd, header)
         reply = self.poll(timeout_s)
         if reply is None:
-            self._pending = None
+            self._pending.clear()
             raise TimeoutError(f"agent at {self.address}: no reply to {cmd!r} within {timeout_s:.0f}s")
         return reply[0]
 
@@ -126,20 +138,24 @@ class AgentClient:
         self.pid, self.info = int(body["pid"]), body
         return body
 
-    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool) -> None:
-        """Inputs must already be in `self.arena`; outputs land there when `poll_step` returns."""
-        frames = None if self.local else self.arena.input_frames(dims)
-        self._pending_dims = dims
+    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0) -> None:
+        """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step`
+        returns this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is
+        fed by the agent's own last sample (`a`). Up to one step per slot may be in flight."""
+        frames = None if self.local else self.arenas[slot].input_frames(dims)
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP,
-                  {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "free": free}, frames)
+                  {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot,
+                   "free": free}, frames, dims, slot)
 
     def poll_step(self, timeout_s: float) -> dict[str, Any] | None:
+        """The reply to the oldest step in flight (its outputs are then in its slot), or None."""
+        _, dims, slot = self._pending[0]
         reply = self.poll(timeout_s)
         if reply is None:
             return None
         body, frames = reply
         if not self.local:
-            self.arena.load_outputs(self._pending_dims.n_rows, frames)
+            self.arenas[slot].load_outputs(dims.n_rows, frames)
         return body
 
     def send_heartbeat(self) -> None:
@@ -160,7 +176,7 @@ class AgentClient:
             return
         self.closed = True
         if detach and not self.dead:
-            self._pending = None
+            self._pending.clear()
             try:
                 self.call(P.DETACH, timeout_s=timeout_s)
             except (AgentDead, AgentError, TimeoutError, zmq.ZMQError):
@@ -168,12 +184,12 @@ class AgentClient:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
-        self.arena = None  # drop numpy views before unmapping
+        self.arenas = []  # drop numpy views before unmapping
         if self.segment is not None:
             self.segment.close()
 
 
 def load_step_frames(arena: Arena, msg: P.Message) -> None:
-    """Agent side, tcp: copy the step's tensor frames into the private arena."""
+    """Agent side, tcp: copy the step's tensor frames into the private arena's slot."""
     h = msg.header
     arena.load_inputs(StepDims(h["n_tokens"], h["n_rows"], h["width"]), msg.frames)

@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llm_serving.launch import start_agents, stop_agents
 from common.config import load_config
@@ -24,7 +24,8 @@ from tests.helpers import ServerProcess, tiny_config
 
 
 def test_codec_round_trip():
-    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "free": [7, 9], "id": 5}, [b"xy"])
+    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "slot": 1, "free": [7, 9], "id": 5},
+                     [b"xy"])
     msg = P.decode(parts)
     assert msg.cmd == P.DECODE_STEP and msg.header["free"] == [7, 9] and msg.frames == [b"xy"]
     ok, body, _ = P.decode_reply(P.encode_reply(False, {"error": "boom", "id": 5}))
@@ -32,17 +33,19 @@ def test_codec_round_trip():
 
 
 V = P.VERSION
-HELLO = {"v": V, "arena": None, "spec": {"max_tokens": 8, "max_rows": 2, "max_blocks": 2}, "server_pid": 1,
+HELLO = {"v": V, "arena": None, "spec": {"max_tokens": 8, "max_rows": 2, "max_blocks": 2, "slots": 2}, "server_pid": 1,
          "geometry": {"block_size": 4, "num_blocks": 8, "max_model_len": 8}, "model": {"name": "m", "digest": "d"}}
 
 
 @pytest.mark.parametrize("parts, why", [
     ([b""], "empty"), ([b"Z" + msgpack.packb({"v": V})], "unknown command"),
-    ([b"*" + msgpack.packb({"v": 99, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version"),
-    ([b"*" + msgpack.packb({"v": 1, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version 1"),
-    ([b"*" + msgpack.packb({"v": V, "n_tokens": "1", "n_rows": 1, "width": 1, "free": []})], "n_tokens"),
-    ([b"a" + msgpack.packb({"v": V, "n_tokens": -1, "n_rows": 1, "width": 1, "free": []})], "negative"),
-    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "free": [True]})], "free"),
+    ([b"*" + msgpack.packb({"v": 99, "n_tokens": 1, "n_rows": 1, "width": 1, "slot": 0, "free": []})], "version"),
+    ([b"*" + msgpack.packb({"v": 2, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version 2"),
+    ([b"*" + msgpack.packb({"v": V, "n_tokens": "1", "n_rows": 1, "width": 1, "slot": 0, "free": []})], "n_tokens"),
+    ([b"a" + msgpack.packb({"v": V, "n_tokens": -1, "n_rows": 1, "width": 1, "slot": 0, "free": []})], "negative"),
+    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "slot": -1, "free": []})], "negative slot"),
+    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "slot"),
+    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "slot": 0, "free": [True]})], "free"),
     ([b"a\xc1\xff"], "msgpack"), ([b"#" + msgpack.packb([1, 2])], "not a map"),
     ([b"#" + msgpack.packb({k: v for k, v in HELLO.items() if k != "geometry"})], "geometry"),
     ([b"#" + msgpack.packb({**HELLO, "geometry": {**HELLO["geometry"], "block_size": "4"}})], "geometry.block_size"),
@@ -80,12 +83,16 @@ def test_codec_fuzz_of_typed_headers(cmd, header):
 
 
 def test_arena_layout_is_identical_on_both_sides():
-    spec = ArenaSpec(64, 8, 5)
-    a, b = Arena.private(spec), Arena.private(ArenaSpec.from_wire(spec.to_wire()))
-    a.full.inputs.block_tables[2, :3] = [4, 5, 6]
-    b.buf[:] = a.buf
-    assert list(b.full.inputs.block_tables[2, :3]) == [4, 5, 6]
-    assert a.full.sampling.temperature.dtype == np.float32  # never float16, unlike the original
+    spec = ArenaSpec(64, 8, 5, slots=2)
+    a, b = Arena.slots(spec), Arena.slots(ArenaSpec.from_wire(spec.to_wire()))
+    a[1].full.inputs.block_tables[2, :3] = [4, 5, 6]
+    b[0].buf[:] = a[0].buf
+    assert list(b[1].full.inputs.block_tables[2, :3]) == [4, 5, 6]
+    assert not b[0].full.inputs.block_tables.any()  # the slots do not overlap
+    assert a[0].full.sampling.temperature.dtype == np.float32  # never float16, unlike the original
+    for bad in ({**spec.to_wire(), "slots": 0}, {**spec.to_wire(), "slots": 99}, {"max_tokens": 8}):
+        with pytest.raises(ValueError, match="bad arena spec"):
+            ArenaSpec.from_wire(bad)
 
 
 def test_port_lock_names_its_holder_and_stale_files_are_cleaned(tmp_path, monkeypatch):
@@ -213,3 +220,75 @@ def test_remote_agent_over_tcp_gets_tensors_as_frames(tmp_path, tiny_model_dir):
         finally:
             stop_agents(procs)
     assert results["127.0.0.1"] == results["127.0.0.2"]
+
+
+def _prefill_rows(seq_base: int, block_base: int) -> list[RowInput]:
+    return [RowInput(seq_base, np.asarray([5, 6, 7], np.int32), 0, [block_base], True, SamplingParams(), 3, 0),
+            RowInput(seq_base + 1, np.asarray([8, 9], np.int32), 0, [block_base + 1], True, SamplingParams(), 2, 0)]
+
+
+def test_pipelined_fed_decodes_match_decodes_that_carry_their_tokens(agent):
+    """Protocol v3: `a` rows fed by the agent's own last samples, sent into the second arena slot
+    before the first step's reply, give the tokens that decodes carrying those tokens give; a fed
+    row of a sequence the agent never sampled fails alone (-1)."""
+    cfg, _ = agent
+    [client] = connect_agents(cfg)
+    try:
+        # Sequential: prefill, read the samples, send them back as tokens (`*`).
+        client.send_step(client.arenas[0].write_step(_prefill_rows(1, 1), cfg.block_size), [], True)
+        assert client.poll_step(30) is not None
+        first = client.arenas[0].full.outputs.ids[:2].tolist()
+        rows = [RowInput(1, np.asarray([first[0]], np.int32), 3, [1], True, SamplingParams(), 3, 1),
+                RowInput(2, np.asarray([first[1]], np.int32), 2, [2], True, SamplingParams(), 2, 1)]
+        client.send_step(client.arenas[0].write_step(rows, cfg.block_size), [], True)
+        assert client.poll_step(30) is not None
+        expected = client.arenas[0].full.outputs.ids[:2].tolist()
+        # Pipelined: the decode is in flight before the prefill's reply, and names no token.
+        client.send_step(client.arenas[0].write_step(_prefill_rows(3, 3), cfg.block_size), [1, 2], True, slot=0)
+        fed = [RowInput(3, np.zeros(1, np.int32), 3, [3], True, SamplingParams(), 3, 1, feed=True),
+               RowInput(99, np.zeros(1, np.int32), 0, [5], True, SamplingParams(), 0, 1, feed=True),
+               RowInput(4, np.zeros(1, np.int32), 2, [4], True, SamplingParams(), 2, 1, feed=True)]
+        client.send_step(client.arenas[1].write_step(fed, cfg.block_size), [], False, slot=1)
+        assert client.in_flight == 2
+        assert client.poll_step(30) is not None and client.poll_step(30) is not None
+        assert client.arenas[0].full.outputs.ids[:2].tolist() == first
+        assert client.arenas[1].full.outputs.ids[:3].tolist() == [expected[0], -1, expected[1]]
+    finally:
+        client.close()
+
+
+@pytest.fixture()
+def attached(agent):
+    cfg, _ = agent
+    [client] = connect_agents(cfg)
+    yield cfg, client
+    client.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 2), st.integers(0, 1), st.integers(-3, 3)),
+                min_size=1, max_size=2),
+       st.sampled_from([P.DECODE_STEP, P.FULL_STEP]), st.integers(-1, 3))
+def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, rows, cmd, slot):
+    """Any well-framed step (fed flags, query lengths, sample flags, sequence ids, slot): an ok
+    reply, or a `bad_step`/`protocol` error naming why; the next normal step still runs."""
+    cfg, client = attached
+    x = client.arenas[0].full.inputs
+    qlens = [q for _, q, _, _ in rows]
+    n = sum(qlens)
+    x.tokens[:n], x.positions[:n], x.slots[:n] = 1, np.arange(n), np.arange(n) + cfg.block_size
+    x.query_lens[:len(rows)] = qlens
+    x.block_tables[:len(rows), :1] = 1
+    x.feed[:len(rows)] = [f for f, _, _, _ in rows]
+    x.sample[:len(rows)] = [s for _, _, s, _ in rows]
+    x.seq_ids[:len(rows)] = [s for _, _, _, s in rows]
+    # `free` first drops what earlier examples sampled: a fed row here has no sample to take.
+    client.send(cmd, {"n_tokens": n, "n_rows": len(rows), "width": 1, "slot": slot, "free": [-3, -2, -1, 0, 1, 2, 3]},
+                dims=StepDims(n, len(rows), 1))
+    try:
+        assert client.poll_step(30) is not None
+        fed = [i for i, (f, _, s, _) in enumerate(rows) if f == 1 and s == 1]
+        assert all(client.arenas[0].full.outputs.ids[i] == -1 for i in fed)
+    except AgentError as exc:
+        assert exc.code in (P.E_BAD_STEP, P.E_PROTOCOL), exc
+    assert _decode_step(client, cfg) is not None

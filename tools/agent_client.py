@@ -4,7 +4,7 @@
 
 Attaches (`#`) to a running agent (the YAML's first port by default), runs the prompt through `*`
 steps (chunks of at most the agent's largest token bucket), then one `a` step per new token with
-greedy sampling, prints the text, the token ids and each step's timings, and detaches (`e`), leaving
+greedy sampling (its row is *fed*: the agent takes the token it sampled last), prints the text, the token ids and each step's timings, and detaches (`e`), leaving
 the agent free for the next server. Uses shm/ for the protocol and common/ for the YAML; of the
 server only its tokenizer. KV blocks are this client's to assign: it takes 1, 2, ... (block 0 is
 reserved for padding writes).
@@ -44,11 +44,11 @@ def generate(client: AgentClient, prompt: list[int], max_tokens: int, chunk: int
     while len(out) < max_tokens:
         if fed < len(prompt):  # `*`: prompt tokens, the last chunk samples
             toks, cmd = prompt[fed:fed + chunk], "*"
-        else:  # `a`: one decode token, the one sampled last
-            toks, cmd = [out[-1]], "a"
+        else:  # `a`: one decode token, which the agent takes from its own last sample (0 is a placeholder)
+            toks, cmd = [0], "a"
         last = fed + len(toks) >= len(prompt)
-        row = RowInput(SEQ_ID, np.asarray(toks, np.int32), fed, blocks, last, greedy, len(prompt),
-                       max(0, fed + len(toks) - len(prompt)))
+        row = RowInput(SEQ_ID, np.asarray(toks, np.int32), fed, blocks, last, greedy, len(prompt), len(out),
+                       feed=cmd == "a")
         t0 = time.perf_counter()
         client.send_step(client.arena.write_step([row], block_size), free=[], has_prefill=cmd == "*")
         body = client.poll_step(600)

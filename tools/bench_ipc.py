@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                              True, greedy, 100, 0) for i in range(n)]
 
         def step(dims: StepDims) -> dict:
-            client.send_step(dims, [], has_prefill=False)
+            client.send_step(dims, [], has_prefill=True)  # rows carry their tokens: `*`
             body = client.poll_step(600)
             assert body is not None
             return body
