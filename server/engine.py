@@ -222,7 +222,7 @@ class Engine:
                 if not lane.busy:
                     lane.ping_if_due(now)
                 return False
-            self.metrics.prefill_tokens.inc(sum(p.n_tokens for p in plan if p.seq.computed < len(p.seq.prompt)))
+            self.metrics.prefill_tokens.inc(sum(p.n_tokens for p in plan if p.start < len(p.seq.prompt)))
             for p in plan:
                 req = p.seq.request
                 if req.status is Status.QUEUED:  # first scheduled: leaves the bounded waiting queue
