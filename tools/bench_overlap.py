@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -91,28 +92,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--input-len", type=int, default=32, help="words per prompt")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per point; the best tok/s is kept")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per point and server start")
+    ap.add_argument("--modes", default="off,on,off,on,off,on",
+                    help="server starts in this order; alternating starts and the median of every run "
+                         "of a mode cancel the machine's drift")
     args = ap.parse_args(argv)
     cfg = yaml.safe_load(Path(args.config).read_text())
     sc = cfg.get("serving_config", {})
     base = f"http://{sc.get('server_ip', '127.0.0.1')}:{sc.get('server_port', 8835)}"
     model = cfg.get("model_config", {}).get("model_name", "smollm2")
     batches = [int(b) for b in args.batches.split(",")]
-    rows: dict[tuple[int, str], dict[str, float]] = {}
-    for mode, extra in (("off", ["--no-overlap"]), ("on", [])):
+    runs: dict[tuple[int, str], list[dict[str, float]]] = {}
+    for mode in args.modes.split(","):
+        extra = ["--no-overlap"] if mode == "off" else []
         proc = start_server(args.config, extra + (["--dtype", args.dtype] if args.dtype else []),
                             Path(f"/tmp/bench_overlap_{mode}.log"))
         try:
             measure(base, model, 2, args.input_len, 8)  # warm the HTTP path
             for b in batches:
-                runs = [measure(base, model, b, args.input_len, args.output_len) for _ in range(args.repeats)]
-                rows[(b, mode)] = max(runs, key=lambda r: r["tok_s"])
-                print(f"{mode:>3} B={b:<3} {rows[(b, mode)]}", file=sys.stderr, flush=True)
+                for _ in range(args.repeats):
+                    runs.setdefault((b, mode), []).append(measure(base, model, b, args.input_len, args.output_len))
+                    print(f"{mode:>3} B={b:<3} {runs[(b, mode)][-1]}", file=sys.stderr, flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
+    rows = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     print(f"\noverlap A/B, {model} {args.dtype or 'float32'}, {args.input_len}-word prompts, {args.output_len} tokens "
-          f"each, CPU: {cpu_name()}")
+          f"each, server starts {args.modes}, medians of {args.repeats} run(s) per start; CPU: {cpu_name()}")
     print("| B | overlap | TPOT ms | output tok/s | step ms | model ms | outside model | of it gaps |")
     print("|---|---|---|---|---|---|---|---|")
     for b in batches:

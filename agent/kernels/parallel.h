@@ -1,7 +1,9 @@
 // Work splitting for the kernels: worker threads, one per extra core this process may run on (agents
 // are pinned). A decode step makes ~150 kernel calls microseconds apart: starting threads per call
 // cost ~20 us each and waking sleeping ones about as much, so workers spin a short while between
-// calls before they sleep.
+// calls before they sleep. A call waits only for the workers that joined it (took a ticket before
+// the caller ran out of parts): a worker descheduled by another process on its core (the server,
+// while steps overlap) then costs the call nothing instead of stalling it until that worker runs.
 #pragma once
 #include <sched.h>
 
@@ -54,7 +56,8 @@ class Pool {
     fn_ = &fn;
     parts_ = parts;
     next_.store(0);
-    pending_.store(workers_);
+    done_.store(0);
+    tickets_.store(workers_, std::memory_order_release);
     {
       // Under the lock that sleepers check the generation with: none can miss this wake-up.
       std::lock_guard<std::mutex> g(m_);
@@ -62,7 +65,8 @@ class Pool {
     }
     wake_.notify_all();
     work();
-    while (pending_.load(std::memory_order_acquire) != 0) relax();
+    const int64_t joined = workers_ - tickets_.exchange(0);  // no worker joins after this
+    while (done_.load(std::memory_order_acquire) != joined) relax();
   }
 
  private:
@@ -84,8 +88,13 @@ class Pool {
         wake_.wait(g, [&] { return generation_.load() != seen; });
       }
       seen = generation_.load(std::memory_order_acquire);
-      work();
-      pending_.fetch_sub(1, std::memory_order_release);
+      int64_t t = tickets_.load(std::memory_order_acquire);
+      while (t > 0 && !tickets_.compare_exchange_weak(t, t - 1, std::memory_order_acq_rel)) {
+      }
+      if (t > 0) {  // joined: the caller waits for this worker's parts
+        work();
+        done_.fetch_add(1, std::memory_order_release);
+      }
     }
   }
 
@@ -94,7 +103,7 @@ class Pool {
   std::condition_variable wake_;
   const std::function<void(int64_t)> *fn_ = nullptr;
   int64_t parts_ = 0;
-  std::atomic<int64_t> next_{0}, pending_{0};
+  std::atomic<int64_t> next_{0}, tickets_{0}, done_{0};
   std::atomic<uint64_t> generation_{0};
 };
 
