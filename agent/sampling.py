@@ -24,6 +24,17 @@ class SampleResult:
     top_logprobs: np.ndarray  # float32 [R, n]
 
 
+def _greedy(logits: np.ndarray, lse: np.ndarray) -> SampleResult:
+    """Every row greedy, no penalties, no logprobs: a handful of array calls instead of ~20 (they
+    cost ~0.2 ms of a one-row decode step, cache-cold after the model's weights went through)."""
+    rows = logits.shape[0]
+    ids = logits.argmax(axis=-1).astype(np.int32)
+    chosen = logits[np.arange(rows), ids]
+    ids[~np.isfinite(chosen)] = -1
+    return SampleResult(ids, (chosen - lse).astype(np.float32), np.zeros((rows, 0), np.int32),
+                        np.zeros((rows, 0), np.float32))
+
+
 def needs_penalty(p: SamplingColumns) -> np.ndarray:
     return (p.repetition_penalty != 1.0) | (p.presence_penalty != 0.0) | (p.frequency_penalty != 0.0)
 
@@ -85,6 +96,8 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histori
     Reported logprobs are the model's raw log-probabilities (before penalties and temperature),
     as vLLM reports by default."""
     rows = logits.shape[0]
+    if not (params.n_logprobs.any() or needs_penalty(params).any() or (params.temperature >= SAMPLING_EPS).any()):
+        return _greedy(logits, lse)
     max_n = int(params.n_logprobs.max(initial=0))
     top_ids = np.zeros((rows, max_n), np.int32)
     top_lps = np.zeros((rows, max_n), np.float32)

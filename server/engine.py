@@ -17,17 +17,15 @@ from typing import Any
 
 from common.config import ServingConfig
 from server.detok import IncrementalDetokenizer
-from server.lane import AgentLane, InFlight, LaneState
+from server.lane import AgentLane
 from server.metrics import Metrics
 from server.output import OutputProcessor
 from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
+from server.stepper import Stepper
 from server.supervisor import Restart, Supervisor
-from server.trace import StepRecord, StepTrace
 from common.tokenizer import TextTokenizer
-from shm import protocol as P
-from shm.step import read_row
-from shm.transport import AgentClient, AgentDead, AgentError
+from shm.transport import AgentClient
 
 __all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
 log = logging.getLogger("llm_serving.engine")
@@ -67,12 +65,10 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.trace = StepTrace()  # recent steps, both sides (/debug/trace)
-        self.step_count = 0
-        self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
         self.fatal: str | None = None
         self._finished_at: deque[float] = deque(maxlen=256)  # recent ends: the drain rate behind Retry-After
         self.supervisor = Supervisor(cfg, self.lanes, restart, self.inbox, self._stop, self.metrics)
+        self.stepper = Stepper(cfg, self.lanes, self.out, self.metrics, self.supervisor, self._end, self._unqueue)
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -124,8 +120,8 @@ class Engine:
         running = sum(len(lane.sched.running) for lane in self.lanes)
         waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()
         return {"running": running, "waiting": waiting, "agents_alive": sum(lane.live for lane in self.lanes),
-                "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.step_count,
-                "step_wall_s": self.step_wall_s, "server_cpu_s": time.process_time()}
+                "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.stepper.step_count,
+                "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -138,12 +134,12 @@ class Engine:
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
                 for lane in self.lanes:  # with overlap: steps N and N+1 back to back
-                    while lane.can_send and self._launch(lane, now):
+                    while lane.can_send and self.stepper.launch(lane, now):
                         pass
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
-                    self._poll(lane, 0.005 if len(busy) > 1 else 0.05)
-                self._expire_recovering(time.monotonic())
+                    self.stepper.poll(lane, 0.005 if len(busy) > 1 else 0.05)
+                self.stepper.expire_recovering(time.monotonic())
                 self.out.flush()
                 self._update_gauges()
         except Exception as exc:  # a bug: fail everything rather than leave requests hanging
@@ -178,7 +174,7 @@ class Engine:
                 if req is not None:
                     self._cancel(req)
             elif kind == "agent_back":
-                self._agent_back(*payload)
+                self.stepper.agent_back(*payload)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -188,7 +184,7 @@ class Engine:
         req.detok = IncrementalDetokenizer(self.tok, req.params.stop)
         req.seq = Sequence(req.prompt, req.params, req.arrival, request=req)
         self.requests[req.request_id] = req
-        lanes = self._open_lanes()
+        lanes = self.stepper.open_lanes()
         if not lanes:
             self._end(req, "error", "no live agent")
             return
@@ -196,105 +192,7 @@ class Engine:
             self._end(req, "error", "request does not fit the KV cache")
             return
         self.metrics.prompt_tokens.inc(len(req.prompt))
-        self._assign(req, lanes)
-
-    def _open_lanes(self) -> list[AgentLane]:
-        """Lanes that take requests: live ones, else those whose agent is coming back."""
-        live = [lane for lane in self.lanes if lane.live]
-        return live or [lane for lane in self.lanes if lane.state is LaneState.RECOVERING]
-
-    def _assign(self, req: Request, lanes: list[AgentLane]) -> None:
-        target = min(lanes, key=lambda lane: lane.sched.load)
-        req.lane = target.index
-        target.sched.add(req.seq)
-
-    def _launch(self, lane: AgentLane, now: float) -> bool:
-        """Plan and send a step; False if there was nothing to send."""
-        if lane.sched.batch_hold(now) > 0:  # an idle lane collecting a prefill batch (short)
-            return False
-        planned_at = time.monotonic()
-        preempted = lane.sched.preempted
-        plan = lane.sched.schedule()
-        if lane.sched.preempted > preempted:
-            self.metrics.preemptions.inc(lane.sched.preempted - preempted)
-        try:
-            if not plan:
-                if not lane.busy:
-                    lane.ping_if_due(now)
-                return False
-            self.metrics.prefill_tokens.inc(sum(p.n_tokens for p in plan if p.start < len(p.seq.prompt)))
-            for p in plan:
-                req = p.seq.request
-                if req.status is Status.QUEUED:  # first scheduled: leaves the bounded waiting queue
-                    self._unqueue()
-                    req.status = Status.RUNNING
-                    req.first_scheduled_at = now
-            lane.send_plan(plan, planned_at)
-            for p in plan:
-                if p.seq.request.inference_begin_at is None:
-                    p.seq.request.inference_begin_at = lane.sent_at
-            return True
-        except AgentDead:
-            self._lane_down(lane, "agent died")
-            return False
-
-    def _poll(self, lane: AgentLane, timeout_s: float) -> None:
-        head = lane.inflight[0] if lane.inflight else None
-        try:
-            body = lane.poll(timeout_s)
-        except AgentDead:
-            self._lane_down(lane, "agent died")
-            return
-        except AgentError as exc:
-            if exc.code == P.E_NOT_ATTACHED:  # another server took the agent over (`r`): recompute elsewhere
-                self._lane_down(lane, f"agent was taken over: {exc}", kill=False)
-                return
-            if head is not None:  # this step's requests fail with its reason; the others go on
-                lane.inflight.popleft()
-                lane.replied_at = time.monotonic()
-                for p in head.plan:
-                    self._end(p.seq.request, "error", f"step failed: {exc}")
-            if exc.fatal:
-                self._lane_down(lane, f"agent runtime failed: {exc}")
-            return
-        now = time.monotonic()
-        if body is None:
-            if lane.stuck(now):
-                self._lane_down(lane, f"no reply for {self.cfg.step_timeout_s:.0f}s (stuck)")
-            return
-        lane.inflight.popleft()
-        lane.restarts = 0
-        self._step_done(lane, head, body, now)
-
-    def _step_done(self, lane: AgentLane, step: InFlight, body: dict, now: float) -> None:
-        plan = step.plan
-        start = max(step.sent_at, lane.replied_at)  # the agent ran the step before this one until then
-        lane.replied_at = now
-        kind = "prefill" if not all(p.feed for p in plan) else "decode"
-        self.metrics.step_time.labels(kind).observe(now - start)
-        self.step_count += 1
-        self.step_wall_s += now - start
-        self.metrics.graph_compiles.inc(lane.new_compiles(body))
-        lane.sched.step_done(plan)
-        outputs = lane.client.arenas[step.slot].full.outputs
-        for i, p in enumerate(plan):
-            req = p.seq.request
-            if req.status is Status.DONE:  # it ended while this step ran: its row is discarded
-                continue
-            req.inference_end_at = now
-            if p.seq.aborted:
-                self._end(req, "cancelled")
-            elif p.sample:
-                row = read_row(outputs, i, p.seq.params.logprobs)
-                if row.token < 0:  # this row's sampling failed on the agent; its neighbours went on
-                    self._end(req, "error", "sampling failed: the model's probabilities were not finite")
-                    continue
-                reason = self.out.token(req, row.token, row.logprob, row.top, now)
-                if reason:
-                    self._end(req, reason)
-        self.trace.record(StepRecord(lane.index, kind, len(plan), sum(p.n_tokens for p in plan), step.sent_at, start,
-                                     now, step.prepare_s, time.monotonic() - now, body.get("model_s", 0.0),
-                                     body.get("agent_s", 0.0)))
+        self.stepper.assign(req, lanes)
 
     def _cancel(self, req: Request) -> None:
         lane = self.lanes[req.lane]
@@ -322,31 +220,6 @@ class Engine:
         self._finished_at.append(time.monotonic())
         self.out.finish(req, reason, error)
 
-    # ------------------------------------------------------------ supervision
-    def _lane_down(self, lane: AgentLane, why: str, kill: bool = True) -> None:
-        plan, seqs = self.supervisor.down(lane, why, kill)
-        for p in plan:
-            if p.seq.aborted:
-                self._end(p.seq.request, "cancelled")
-        open_lanes = self._open_lanes()
-        for seq in seqs:  # recompute from prompt + tokens so far: elsewhere, or here once the agent is back
-            req = seq.request
-            if req.status is Status.DONE:
-                continue
-            if open_lanes:
-                self._assign(req, open_lanes)
-            else:
-                self._end(req, "error", f"agent {lane.index} failed ({why}) and no live agent is left")
-
-    def _agent_back(self, index: int, client: AgentClient | None, error: str | None) -> None:
-        for seq in self.supervisor.back(index, client, error):
-            self._end(seq.request, "error", f"agent {index} could not be restarted: {error}")
-
-    def _expire_recovering(self, now: float) -> None:
-        """Requests that have waited past the deadline for a recovering agent fail instead of hanging."""
-        for seq, why in self.supervisor.overdue(now):
-            self._end(seq.request, "error", why)
-
     def _update_gauges(self) -> None:
         m = self.metrics
         m.running.set(sum(len(lane.sched.running) for lane in self.lanes))
@@ -357,4 +230,4 @@ class Engine:
 
     def chrome_trace(self) -> dict[str, Any]:
         """Recent steps as a Chrome trace (chrome://tracing, Perfetto)."""
-        return self.trace.chrome()
+        return self.stepper.trace.chrome()

@@ -32,3 +32,14 @@ def test_extreme_values_sample_finite_tokens_and_a_broken_row_fails_alone():
     assert all(0 <= res.ids[r] < 50 for r in (0, 1, 2, 4))
     assert np.isfinite(res.logprobs[[0, 1, 2, 4]]).all()
     assert np.isfinite(res.top_logprobs[[1, 4]]).all()
+
+
+def test_all_greedy_fast_path_matches_the_general_path():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 50)).astype(np.float32) * 4
+    logits[2, 9] = np.nan
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1)).astype(np.float32)
+    fast = sample(logits.copy(), lse, _rows(4), [None] * 4, rng)
+    general = sample(logits.copy(), lse, _rows(4, n_logprobs=[0, 0, 0, 1]), [None] * 4, rng)  # logprobs: general path
+    assert fast.ids.tolist() == general.ids.tolist() and fast.ids[2] == -1
+    assert np.allclose(fast.logprobs[[0, 1, 3]], general.logprobs[[0, 1, 3]])
