@@ -295,7 +295,8 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
             "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index,
-            "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes}
+            "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
+            "launcher_pid": owner_pid}  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info, owner_pid)
     server.serve()
     if server.failed:

@@ -64,6 +64,7 @@ def _nucleus(probs: np.ndarray, cand: np.ndarray, top_p: float, min_p: float) ->
         keep &= p >= min_p * p[0]
     if top_p < 1.0:
         keep &= (np.cumsum(p) - p) < top_p  # keeps the token that crosses top_p
+    keep[0] = True  # the most likely token always survives (no setting may leave nothing to sample)
     cand, p = cand[keep], p[keep]
     return cand, p / p.sum()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -19,10 +19,11 @@ def model_dtype(value: Any) -> str:
     return "int8" if str(value).lower() in INT8 else "float32"
 
 
-def _as_list(v: Any, default: list[int]) -> list[int]:
-    if v is None:
-        return default
-    return sorted(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+def _as_list(v: Any) -> list[int]:
+    items = v if isinstance(v, (list, tuple)) else [v]
+    if any(isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()) for x in items):
+        raise ValueError(v)
+    return sorted(int(x) for x in items)
 
 
 @dataclass
@@ -115,64 +116,164 @@ class ServingConfig:
         return -(-self.max_model_len // self.block_size)
 
     def validate(self) -> "ServingConfig":
-        if self.block_size < 1 or self.num_blocks < 2:
-            raise ValueError("pa_config: block_size >= 1 and num_blocks >= 2 (block 0 is reserved)")
-        if not self.agent_ports:
-            raise ValueError("serving_config.agent_ports must list at least one port")
+        for attr, key, ok, allowed in RANGES:
+            value = getattr(self, attr)
+            items = value if isinstance(value, list) else [value]
+            if not items or not all(ok(v) for v in items):
+                raise ConfigError(f"{key} = {value!r}: must be {allowed}")
+        if len(set(self.agent_ports)) != len(self.agent_ports):
+            raise ConfigError(f"serving_config.agent_ports = {self.agent_ports}: each port once")
         if (self.num_blocks - 1) * self.block_size < self.max_model_len:
-            raise ValueError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
-                             f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
-                             f"decode_seq_length {self.max_model_len} (block 0 is reserved)")
+            raise ConfigError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
+                              f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
+                              f"decode_seq_length {self.max_model_len} (block 0 is reserved); need num_blocks >= "
+                              f"{-(-self.max_model_len // self.block_size) + 1}")
         if self.quant_group_size < 0 or 0 < self.quant_group_size < 4:
-            raise ValueError(f"model_config.quant_group_size {self.quant_group_size}: at least 4 inputs per int8 "
-                             "scale, or 0 (8 scales per row)")
-        if self.schedule_policy not in ("fcfs", "sjf", "priority"):
-            raise ValueError(f"unknown schedule_policy {self.schedule_policy!r}")
+            raise ConfigError(f"model_config.quant_group_size = {self.quant_group_size}: at least 4 inputs per int8 "
+                              "scale, or 0 (8 scales per row)")
         return self
 
 
+class ConfigError(ValueError):
+    """A config that cannot be served: one line naming the key, its value and what is allowed."""
+
+
+def _port(v: int) -> bool:
+    return 1 <= v <= 65535
+
+
+# (attribute, YAML key, check of the value (of each item of a list), what is allowed)
+RANGES: list[tuple[str, str, Callable[[Any], bool], str]] = [
+    ("max_generate_length", "model_config.max_generate_length", lambda v: v >= 2, ">= 2"),
+    ("prefill_buckets", "model_config.seq_length", lambda v: v >= 1, "a list of sizes >= 1"),
+    ("decode_buckets", "model_config.decode_batch_size", lambda v: v >= 1, "a list of sizes >= 1"),
+    ("max_prefill_rows", "model_config.prefill_batch_size", lambda v: v >= 1, ">= 1"),
+    ("agent_ports", "serving_config.agent_ports", _port, "a non-empty list of ports in [1, 65535]"),
+    ("server_port", "serving_config.server_port", _port, "a port in [1, 65535]"),
+    ("start_device_id", "serving_config.start_device_id", lambda v: v >= 0, ">= 0"),
+    ("prefill_batch_waiting_time", "serving_config.prefill_batch_waiting_time", lambda v: 0 <= v <= 10,
+     "in [0, 10] seconds"),
+    ("max_queue", "serving_config.max_queue", lambda v: v >= 1, ">= 1 (0 would refuse every request)"),
+    ("max_num_batched_tokens", "serving_config.max_num_batched_tokens", lambda v: v >= 0, ">= 0 (0 = largest seq_length)"),
+    ("prefill_only_tokens", "serving_config.prefill_only_tokens", lambda v: v >= 0, ">= 0 (0 = max_num_batched_tokens)"),
+    ("schedule_policy", "serving_config.schedule_policy", lambda v: v in ("fcfs", "sjf", "priority"),
+     "one of fcfs, sjf, priority"),
+    ("step_timeout_s", "serving_config.step_timeout_s", lambda v: v >= 1, ">= 1 second (a shorter one kills "
+     "agents in the middle of healthy steps)"),
+    ("heartbeat_s", "serving_config.heartbeat_s", lambda v: 0.1 <= v <= 25, "in [0.1, 25] seconds (a remote "
+     "agent detaches a server after 30 s of silence)"),
+    ("max_agent_restarts", "serving_config.max_agent_restarts", lambda v: v >= 0, ">= 0"),
+    ("recovery_deadline_s", "serving_config.recovery_deadline_s", lambda v: v > 0, "> 0 seconds"),
+    ("max_body_bytes", "serving_config.max_body_bytes", lambda v: v >= 1024, ">= 1024"),
+    ("num_blocks", "pa_config.num_blocks", lambda v: v >= 2, ">= 2 (block 0 is reserved)"),
+    ("block_size", "pa_config.block_size", lambda v: v >= 1, ">= 1"),
+    ("max_model_len", "pa_config.decode_seq_length", lambda v: v >= 2, ">= 2"),
+]
+
+
+def _convert(section: dict[str, Any], name: str, key: str, kind: Callable[[Any], Any], default: Any) -> Any:
+    """`section[key]` as `kind`, or `default` when absent; a value of the wrong type is a ConfigError."""
+    value = section.get(key)
+    if value is None:
+        return default
+    try:
+        if kind is bool:
+            return _bool(value)
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        what = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a list of integers")
+        raise ConfigError(f"{name}.{key} = {value!r}: must be {what}") from None
+
+
+def _bool(value: Any) -> bool:
+    """YAML booleans, and the original clients' "True"/"False" strings (bool("False") is True)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() in ("true", "false"):
+        return str(value).strip().lower() == "true"
+    raise ValueError(value)
+
+
+def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    body = doc.get(name) or {}
+    if not isinstance(body, dict):
+        raise ConfigError(f"{name}: must be a mapping of keys, not {type(body).__name__}")
+    return body
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The YAML document at `path`; a missing file or a syntax error is a ConfigError naming it."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ConfigError(f"config file {path}: expected sections (model_config, serving_config, ...), "
+                          f"not {type(doc).__name__}")
+    return doc or {}
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
-    doc: dict[str, Any] = {}
-    if path:
-        doc = yaml.safe_load(Path(path).read_text()) or {}
-    mc = doc.get("model_config", {}) or {}
-    sc = doc.get("serving_config", {}) or {}
-    pa = doc.get("pa_config", {}) or {}
-    tk = doc.get("tokenizer", {}) or {}
+    """The serving config of a YAML file (None: the defaults), with `overrides` by attribute.
+    Raises ConfigError with one line naming the key, its value and what is allowed."""
+    doc = read_yaml(path) if path else {}
+    mc, sc = _section(doc, "model_config"), _section(doc, "serving_config")
+    pa, tk = _section(doc, "pa_config"), _section(doc, "tokenizer")
     c = ServingConfig()
     c.source = Path(path) if path else None
     c.notices = notices(doc)
-    c.model_name = mc.get("model_name", c.model_name)
+    c.model_name = str(mc.get("model_name", c.model_name))
     c.model_path = mc.get("model_path", c.model_path)
     c.model_cfg_path = mc.get("model_cfg_path", c.model_cfg_path)
-    c.max_generate_length = int(mc.get("max_generate_length", c.max_generate_length))
-    c.end_token = _as_list(mc.get("end_token"), [])
-    c.prefill_buckets = _as_list(mc.get("seq_length"), c.prefill_buckets)
-    c.decode_buckets = _as_list(mc.get("decode_batch_size"), c.decode_buckets)
-    c.max_prefill_rows = max(_as_list(mc.get("prefill_batch_size"), [c.max_prefill_rows]))
-    c.vocab_size = int(mc["vocab_size"]) if mc.get("vocab_size") is not None else None
+    c.max_generate_length = _convert(mc, "model_config", "max_generate_length", int, c.max_generate_length)
+    c.end_token = _convert(mc, "model_config", "end_token", _as_list, [])
+    c.prefill_buckets = _convert(mc, "model_config", "seq_length", _as_list, c.prefill_buckets)
+    c.decode_buckets = _convert(mc, "model_config", "decode_batch_size", _as_list, c.decode_buckets)
+    c.max_prefill_rows = max(_convert(mc, "model_config", "prefill_batch_size", _as_list, [c.max_prefill_rows]) or [0])
+    c.vocab_size = _convert(mc, "model_config", "vocab_size", int, None)
     c.model_dtype = model_dtype(mc.get("model_dtype"))
-    c.quant_group_size = int(mc.get("quant_group_size", c.quant_group_size))
+    c.quant_group_size = _convert(mc, "model_config", "quant_group_size", int, c.quant_group_size)
     # The original ignored model_config.batch_waiting_time; we honour both places.
-    c.prefill_batch_waiting_time = float(sc.get("prefill_batch_waiting_time", mc.get("batch_waiting_time", 0.0)))
+    c.prefill_batch_waiting_time = _convert(sc, "serving_config", "prefill_batch_waiting_time", float,
+                                            _convert(mc, "model_config", "batch_waiting_time", float, 0.0))
     for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log"):
         setattr(c, key, sc.get(key, getattr(c, key)))
     for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
-                "max_agent_restarts",
-                "max_body_bytes"):
-        setattr(c, key, int(sc.get(key, getattr(c, key))))
+                "max_agent_restarts", "max_body_bytes"):
+        setattr(c, key, _convert(sc, "serving_config", key, int, getattr(c, key)))
     for key in ("step_timeout_s", "heartbeat_s", "recovery_deadline_s"):
-        setattr(c, key, float(sc.get(key, getattr(c, key))))
-    c.agent_ports = [int(p) for p in sc.get("agent_ports", c.agent_ports)]
-    c.warmup = bool(sc.get("warmup", c.warmup))
-    c.enable_prefix_caching = bool(sc.get("enable_prefix_caching", c.enable_prefix_caching))
-    c.overlap_steps = bool(sc.get("overlap_steps", c.overlap_steps))
-    c.agent_cores = [list(map(int, x)) for x in sc.get("agent_cores", [])]
-    c.num_blocks = int(pa.get("num_blocks", c.num_blocks))
-    c.block_size = int(pa.get("block_size", c.block_size))
-    c.max_model_len = int(pa.get("decode_seq_length", c.max_model_len))
+        setattr(c, key, _convert(sc, "serving_config", key, float, getattr(c, key)))
+    for key in ("warmup", "enable_prefix_caching", "overlap_steps"):
+        setattr(c, key, _convert(sc, "serving_config", key, bool, getattr(c, key)))
+    c.agent_ports = [int(p) for p in _convert(sc, "serving_config", "agent_ports", _ports, c.agent_ports)]
+    c.agent_cores = [list(map(int, x)) for x in _convert(sc, "serving_config", "agent_cores", _cores, [])]
+    c.num_blocks = _convert(pa, "pa_config", "num_blocks", int, c.num_blocks)
+    c.block_size = _convert(pa, "pa_config", "block_size", int, c.block_size)
+    c.max_model_len = _convert(pa, "pa_config", "decode_seq_length", int, c.max_model_len)
     c.tokenizer_path = tk.get("vocab_file") or tk.get("path")
     for key, value in overrides.items():
         if value is not None:
             setattr(c, key, value)
     return c.validate()
+
+
+def _ports(v: Any) -> list[int]:
+    """agent_ports in the YAML's order (agent i serves agent_ports[i]), never sorted."""
+    items = v if isinstance(v, (list, tuple)) else [v]
+    if not items or any(isinstance(x, bool) for x in items):
+        raise ValueError(v)
+    return [int(x) for x in items]
+
+
+def _cores(v: Any) -> list[list[int]]:
+    if not isinstance(v, list) or not all(isinstance(x, list) for x in v):
+        raise ValueError(v)
+    return [[int(c) for c in x] for x in v]

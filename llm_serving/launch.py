@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from common.config import ServingConfig, load_config
+from common.config import ConfigError, ServingConfig, load_config
 from common.procs import stopped
 from shm import protocol as P
 from shm.arena import clean_stale_segments
@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {"model_dtype": args.model_dtype} if args.model_dtype else {}  # agents reload the config with them
-    cfg = load_config(args.config, **overrides)
+    try:
+        cfg = load_config(args.config, **overrides)
+    except ConfigError as exc:
+        log.error("config: %s", exc, exc_info=args.verbose)
+        return 1
     for line in cfg.notices:
         log.warning("config: %s", line)
     try:

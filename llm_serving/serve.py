@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from common.config import ServingConfig, load_config
+from common.config import ConfigError, ServingConfig, load_config
 from common.model_files import model_identity, resolve_model
 from llm_serving.launch import AgentStartError, respawn_agent, start_agents, stop_agents
 from server.engine import Engine
@@ -143,6 +143,12 @@ def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[st
     return engine, tok, procs
 
 
+def start_failed(why: str, verbose: bool) -> int:
+    """A start-up error: one line and exit status 1; the traceback only with --verbose."""
+    log.error("%s", why, exc_info=verbose)
+    return 1
+
+
 def _reap(procs: list, stop: threading.Event) -> None:
     """Collect agents that died and are not restarted (a lane given up on): no zombies meanwhile."""
     while not stop.wait(2.0):
@@ -182,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port", "overlap_steps")
                  if getattr(args, k) is not None}
     started = time.monotonic()
-    cfg = load_config(args.config, **overrides)
+    try:
+        cfg = load_config(args.config, **overrides)
+    except ConfigError as exc:
+        return start_failed(f"config: {exc}", args.verbose)
     for line in cfg.notices:
         log.warning("config: %s", line)
     removed = clean_stale_segments()
@@ -198,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         http = bind_http(cfg)
         engine, tok, procs = start_engine(cfg, args.config, overrides, args.attach, args.reset_agents)
     except START_ERRORS as exc:
-        log.error("%s", exc)
-        return 1
+        return start_failed(str(exc), args.verbose)
+    except Exception as exc:  # a bug or an unforeseen environment: still one line (--verbose: the traceback)
+        return start_failed(f"{type(exc).__name__}: {exc}", args.verbose)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg, tok), host=cfg.server_ip, port=cfg.server_port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     url = f"http://{cfg.server_ip}:{cfg.server_port}"

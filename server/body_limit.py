@@ -21,19 +21,27 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, send)
             return
-        seen = 0
+        seen, over = 0, False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
+                over = True
                 raise BodyTooLarge
             return message
 
+        async def unless_over(message: Message) -> None:
+            # FastAPI turns an error while reading the body into its own 400: ours is the answer.
+            if not over:
+                await send(message)
+
         try:
-            await self.app(scope, counted, send)
+            await self.app(scope, counted, unless_over)
         except BodyTooLarge:
+            pass
+        if over:
             await self._refuse(scope, send)
 
     async def _refuse(self, scope: dict[str, Any], send: Callable[[Message], Awaitable[None]]) -> None:

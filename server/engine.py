@@ -186,7 +186,7 @@ class Engine:
         self.requests[req.request_id] = req
         lanes = self.stepper.open_lanes()
         if not lanes:
-            self._end(req, "error", "no live agent")
+            self._end(req, "error", f"no live agent: {self.supervisor.health(time.monotonic())[1]}", 503)
             return
         if not lanes[0].sched.fits(req.seq):  # the API caps lengths; this guards the liveness invariant
             self._end(req, "error", "request does not fit the KV cache")
@@ -205,7 +205,8 @@ class Engine:
         with self._lock:
             self._queued -= 1
 
-    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _end(self, req: Request, reason: str, error: str | None = None, status: int = 500) -> None:
+        """End a request once; an error's `status` is the HTTP status it gets (503: no agent to serve it)."""
         if req.status is Status.DONE:
             return
         if req.status is Status.QUEUED:
@@ -218,7 +219,7 @@ class Engine:
                 lane.pending_free.append(req.seq.seq_id)
         self.requests.pop(req.request_id, None)
         self._finished_at.append(time.monotonic())
-        self.out.finish(req, reason, error)
+        self.out.finish(req, reason, error, status)
 
     def _update_gauges(self) -> None:
         m = self.metrics

@@ -65,12 +65,16 @@ class Frontend:
 
         watcher = asyncio.create_task(watch_disconnect())
         try:
+            first = True
             while True:
                 d = await queue.get()
                 if d is None:  # the client went away
                     return
                 if d.finish_reason:
                     finished = True
+                if first and d.error and d.status == 503:  # no agent: a 503 before any byte of a stream
+                    raise ApiError(503, d.error, "unavailable")
+                first = False
                 yield d
                 if finished:
                     return
@@ -88,7 +92,7 @@ class Frontend:
             if d.finish_reason:
                 reason = d.finish_reason
                 if d.error:
-                    raise ApiError(500, d.error, "server_error")
+                    raise ApiError(d.status, d.error, "server_error" if d.status == 500 else "unavailable")
         return Result(text, tokens, reason, len(ids))
 
     def token_json(self, d: Delta) -> dict[str, Any]:

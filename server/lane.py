@@ -15,16 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.config import ServingConfig
+from common.procs import pid_alive
 from server.scheduler import Planned, Scheduler, Sequence
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
-from shm.transport import AgentClient, AgentError
+from shm.transport import AgentClient, AgentDead, AgentError
 
 
 class LaneState(enum.Enum):
     LIVE = "live"
     RECOVERING = "recovering"
     FAILED = "failed"
+    ORPHANED = "orphaned"  # its launcher is gone: nobody restarts it; re-attached when one starts it again
 
 
 @dataclass
@@ -86,7 +88,12 @@ class AgentLane:
         self.inflight[-1].prepare_s = self.sent_at - planned_at
 
     def ping_if_due(self, now: float) -> None:
-        """Idle heartbeat: keeps remote agents attached and finds a dead or stopped one while idle."""
+        """Idle heartbeat: keeps remote agents attached and finds a dead or stopped one while idle.
+        A local agent's death, or its launcher's (it exits when idle), is seen at once, between
+        heartbeats: /health follows within an engine turn (raises AgentDead)."""
+        self.client.check_alive()
+        if self.orphaned() is not None:
+            raise AgentDead("its launcher is gone")
         if now - self.sent_at >= self.cfg.heartbeat_s:
             self.client.send_heartbeat()
             self.ping_pending, self.sent_at = True, now
@@ -112,6 +119,13 @@ class AgentLane:
         if self.inflight:
             return now - max(self.inflight[0].sent_at, self.replied_at) > self.cfg.step_timeout_s
         return self.ping_pending and now - self.sent_at > self.cfg.step_timeout_s
+
+    def orphaned(self) -> int | None:
+        """The pid of this local agent's launcher if that process is gone (no restart will come)."""
+        launcher = self.client.info.get("launcher_pid")
+        if self.client.local and launcher and not pid_alive(int(launcher)):
+            return int(launcher)
+        return None
 
     def go_down(self, why: str, now: float, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
         """The agent is gone or stuck (`kill`: kill what is left of it), or serves another server

@@ -71,7 +71,7 @@ class OutputProcessor:
         self.emit(req, Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top], finish_reason=reason))
         return reason
 
-    def finish(self, req: Request, reason: str, error: str | None) -> None:
+    def finish(self, req: Request, reason: str, error: str | None, status: int = 500) -> None:
         now = req.finished_at = time.monotonic()
         m = self.metrics
         m.finished.labels(reason).inc()
@@ -90,7 +90,7 @@ class OutputProcessor:
         last = self._outbox[-1] if self._outbox else None
         if last and last[0] is req.sink and last[1].token_id is not None and last[1].finish_reason == reason:
             return  # its last token carried the end (TGI and OpenAI streams end on that token, not an empty event)
-        self.emit(req, Delta(None, "", finish_reason=reason, error=error))
+        self.emit(req, Delta(None, "", finish_reason=reason, error=error, status=status))
 
     def emit(self, req: Request, delta: Delta) -> None:
         self._outbox.append((req.sink, delta))

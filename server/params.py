@@ -63,13 +63,11 @@ def tgi_params(p: Any, top_k: int = 0) -> tuple[SamplingParams, dict[str, Any]]:
     if not isinstance(p, dict):
         raise InvalidRequest("parameters must be an object")
     do_sample = to_bool(p.get("do_sample", False), "do_sample")
-    temperature = _num(p, "temperature", float, 1.0)
     sp = SamplingParams(
         max_new_tokens=_num(p, "max_new_tokens", int, None),
-        temperature=temperature if do_sample else 0.0,
-        top_k=(0 if p.get("top_k") == -1 else _num(p, "top_k", int, top_k)) if do_sample else 0,
-        top_p=_num(p, "top_p", float, 1.0) if do_sample else 1.0,
-        min_p=_num(p, "min_p", float, 0.0) if do_sample else 0.0,
+        temperature=_num(p, "temperature", float, 1.0),
+        top_k=0 if p.get("top_k") == -1 else _num(p, "top_k", int, top_k),
+        top_p=_num(p, "top_p", float, 1.0), min_p=_num(p, "min_p", float, 0.0),
         repetition_penalty=_num(p, "repetition_penalty", float, 1.0),
         presence_penalty=_num(p, "presence_penalty", float, 0.0),
         frequency_penalty=_num(p, "frequency_penalty", float, 0.0),
@@ -77,6 +75,8 @@ def tgi_params(p: Any, top_k: int = 0) -> tuple[SamplingParams, dict[str, Any]]:
         ignore_eos=to_bool(p.get("ignore_eos", False), "ignore_eos"),
         logprobs=_num(p, "top_n_tokens", int, 0) or 0,
         priority=_num(p, "priority", int, 0)).validate()
+    if not do_sample:  # greedy; the sampling knobs were still checked above (a bad one is a 400 either way)
+        sp.temperature, sp.top_k, sp.top_p, sp.min_p = 0.0, 0, 1.0, 0.0
     opts = {"return_full_text": to_bool(p.get("return_full_text", False), "return_full_text"),
             "details": to_bool(p.get("details", True), "details")}
     return sp, opts

@@ -20,6 +20,8 @@ def encode_prompt(tok: TextTokenizer, cfg: ServingConfig, text: Any, params: Sam
 
     Two limits: the KV context (`decode_seq_length`: asking for more is an error) and the original's
     `max_generate_length` cap on prompt + output (a request simply ends there with "length")."""
+    if isinstance(text, list) and len(text) >= cfg.max_total_tokens:  # before looking at any id
+        raise InvalidRequest(f"prompt is {len(text)} tokens; the maximum is {cfg.max_total_tokens - 1}")
     if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
         ids = text  # OpenAI and TGI accept token ids
     elif isinstance(text, str) and text:

@@ -26,6 +26,7 @@ class Delta:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str | None = None
+    status: int = 500  # of an error: 503 when no agent can serve it (nothing was wrong with the request)
 
 
 @dataclass(frozen=True)

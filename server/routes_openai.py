@@ -30,9 +30,20 @@ def router(f: Frontend) -> APIRouter:
         for t in tokens:
             offs.append(pos)
             pos += len(t.text)
-        return {"tokens": [f.tok.id_to_token(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{f.tok.id_to_token(i): lp for i, lp in t.top_logprobs} for t in tokens],
+        # Legacy completions name tokens by their text (vLLM's convention), not byte-level pieces ("Ġthe").
+        return {"tokens": [f.tok.decode([t.token_id], skip_special=False) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{f.tok.decode([i], skip_special=False): lp for i, lp in t.top_logprobs}
+                                 for t in tokens],
                 "text_offset": offs}
+
+    def unsupported(b: dict[str, Any], chat: bool, logprobs: bool) -> None:
+        """OpenAI fields this server cannot honour get a 400, never silence."""
+        if b.get("logit_bias"):  # {} and null change nothing
+            raise InvalidRequest("logit_bias is not supported")
+        if to_bool(b.get("echo", False), "echo") and (chat or logprobs):
+            raise InvalidRequest("echo is supported only by /v1/completions without logprobs "
+                                 "(prompt logprobs are not computed)")
 
     def usage(prompt: int, completion: int) -> dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -42,6 +53,7 @@ def router(f: Frontend) -> APIRouter:
 
     async def openai(http: HttpRequest, b: dict[str, Any], chat: bool) -> Response:
         params = openai_params(b, chat)
+        unsupported(b, chat, params.logprobs > 0)
         if chat:
             msgs = chat_messages(b.get("messages"))
             try:
@@ -53,6 +65,7 @@ def router(f: Frontend) -> APIRouter:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
         ids = await f.prepare(prompt, params)
+        echo = "" if chat or not to_bool(b.get("echo", False), "echo") else f.prompt_text(prompt, ids)
         want_lp = params.logprobs > 0 or (chat and to_bool(b.get("logprobs", False), "logprobs"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, model = int(time.time()), b.get("model") or f.cfg.model_name
@@ -64,7 +77,7 @@ def router(f: Frontend) -> APIRouter:
             if chat:
                 choice["message"] = {"role": "assistant", "content": r.text}
             else:
-                choice["text"] = r.text
+                choice["text"] = echo + r.text
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
                                  "choices": [choice], "usage": usage(len(ids), len(r.tokens))})
         options = b.get("stream_options") or {}
@@ -78,6 +91,8 @@ def router(f: Frontend) -> APIRouter:
             if chat:
                 yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": None}]})
+            elif echo:
+                yield sse({**base, "choices": [{"index": 0, "text": echo, "finish_reason": None, "logprobs": None}]})
             async for d in f.stream(http, ids, params):
                 if d.error:
                     yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shm.step import MAX_TOP_LOGPROBS, check_params
 
 
@@ -41,16 +43,18 @@ class SamplingParams:
         for name, value in floats.items():  # they travel as float32: inf, nan and 1e39 are refused here
             if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
                 raise InvalidRequest(f"{name} must be a finite number")
+        # Ranges hold for the float32 values the sampler gets: top_p 1e-300 is 0 there (masks every token).
+        temperature, top_p, min_p, rep, pres, freq = (float(np.float32(v)) for v in floats.values())
         checks = [
             (self.max_new_tokens is None or 1 <= self.max_new_tokens <= INT32_MAX,
              f"max_new_tokens must be in [1, {INT32_MAX}]"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (temperature >= 0, "temperature must be >= 0"),
             (0 <= self.top_k <= INT32_MAX, f"top_k must be in [0, {INT32_MAX}] (or -1 for off)"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 < top_p <= 1, "top_p must be in (0, 1] (and > 0 as a float32: at least 1.4e-45)"),
+            (0 <= min_p <= 1, "min_p must be in [0, 1]"),
+            (rep > 0, "repetition_penalty must be > 0 (at least 1.4e-45, a float32)"),
+            (-2 <= pres <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= freq <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer"),
             (-INT32_MAX <= self.priority <= INT32_MAX, f"priority must be in [-{INT32_MAX}, {INT32_MAX}]"),

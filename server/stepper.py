@@ -121,7 +121,10 @@ class Stepper:
             elif p.sample:
                 row = read_row(outputs, i, p.seq.params.logprobs)
                 if row.token < 0:  # this row's sampling failed on the agent; its neighbours went on
-                    self.end(req, "error", "sampling failed: the model's probabilities were not finite")
+                    # Validated parameters cannot cause it (server/sampling_params.py): a server error.
+                    why = f"request {req.request_id}: sampling failed: the model's probabilities were not finite"
+                    log.error("%s", why)
+                    self.end(req, "error", why)
                     continue
                 reason = self.out.token(req, row.token, row.logprob, row.top, now)
                 if reason:
@@ -143,13 +146,14 @@ class Stepper:
             if open_lanes:
                 self.assign(req, open_lanes)
             else:
-                self.end(req, "error", f"agent {lane.index} failed ({why}) and no live agent is left")
+                self.end(req, "error", f"agent {lane.index} failed ({why}) and no live agent is left"
+                         + (f": {lane.why}" if lane.why != why else ""), 503)
 
     def agent_back(self, index: int, client: AgentClient | None, error: str | None) -> None:
         for seq in self.supervisor.back(index, client, error):
-            self.end(seq.request, "error", f"agent {index} could not be restarted: {error}")
+            self.end(seq.request, "error", f"agent {index} could not be restarted: {error}", 503)
 
     def expire_recovering(self, now: float) -> None:
         """Requests that have waited past the deadline for a recovering agent fail instead of hanging."""
         for seq, why in self.supervisor.overdue(now):
-            self.end(seq.request, "error", why)
+            self.end(seq.request, "error", why, 503)

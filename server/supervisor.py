@@ -13,9 +13,11 @@ from common.config import ServingConfig
 from server.lane import AgentLane, LaneState
 from server.metrics import Metrics
 from server.scheduler import Planned, Sequence
+from shm.endpoint import holder
 from shm.transport import AgentClient
 
 log = logging.getLogger("llm_serving.supervisor")
+LAUNCHER_POLL_S = 0.5  # an orphaned lane looks this often for a new agent on its port
 Restart = Callable[[int], AgentClient]  # start (or wait for) agent i again and attach to it
 
 
@@ -28,12 +30,30 @@ class Supervisor:
     def down(self, lane: AgentLane, why: str, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
         """Take a lane down (restarting it if allowed); returns its step in flight and its sequences."""
         log.error("agent %d: %s", lane.index, why)
+        launcher = lane.orphaned()
         plan, seqs = lane.go_down(why, time.monotonic(), kill)
-        if self.restart is not None and lane.restarts < self.cfg.max_agent_restarts:
+        if launcher is not None and self.restart is not None:  # launch_agents is gone: no agent will come back until it is started again
+            lane.state = LaneState.ORPHANED
+            lane.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
+            log.error("agent %d: %s", lane.index, lane.why)
+            self._await_launcher(lane)
+        elif self.restart is not None and lane.restarts < self.cfg.max_agent_restarts:
             self._start(lane)
         else:
             lane.state = LaneState.FAILED
         return plan, seqs
+
+    def _await_launcher(self, lane: AgentLane) -> None:
+        """Re-attach an orphaned lane once a new agent holds its port (launch_agents started again)."""
+        port, old = self.cfg.agent_ports[lane.index], lane.client.pid
+
+        def work() -> None:
+            while holder(port) in (None, old):  # the orphan itself may hold the port a moment longer
+                if self.stop.wait(LAUNCHER_POLL_S):
+                    return
+            self._attach_again(lane.index)
+
+        threading.Thread(target=work, name=f"await-launcher{lane.index}", daemon=True).start()
 
     def _start(self, lane: AgentLane) -> None:
         delay = 0.0 if lane.restarts == 0 else min(30.0, 2.0 ** (lane.restarts - 1))
@@ -41,15 +61,18 @@ class Supervisor:
         log.warning("agent %d: restart %d/%d in %.0fs", lane.index, lane.restarts, self.cfg.max_agent_restarts, delay)
 
         def work() -> None:
-            if self.stop.wait(delay):
-                return
-            try:
-                client, error = self.restart(lane.index), None
-            except Exception as exc:  # reported to the engine thread, which retries or gives up
-                client, error = None, f"{type(exc).__name__}: {exc}"
-            self.inbox.put(("agent_back", (lane.index, client, error)))
+            if not self.stop.wait(delay):
+                self._attach_again(lane.index)
 
         threading.Thread(target=work, name=f"restart-agent{lane.index}", daemon=True).start()
+
+    def _attach_again(self, index: int) -> None:
+        """In a helper thread: restart (or wait for) agent `index` and tell the engine thread."""
+        try:
+            client, error = self.restart(index), None
+        except Exception as exc:  # reported to the engine thread, which retries or gives up
+            client, error = None, f"{type(exc).__name__}: {exc}"
+        self.inbox.put(("agent_back", (index, client, error)))
 
     def back(self, index: int, client: AgentClient | None, error: str | None) -> list[Sequence]:
         """A restart's outcome; returns the sequences left without an agent when the lane gives up."""
@@ -85,6 +108,8 @@ class Supervisor:
         for lane in self.lanes:
             if lane.state is LaneState.FAILED:
                 return "unhealthy", f"agent {lane.index} is dead ({lane.why}); not restarted"
+            if lane.state is LaneState.ORPHANED:
+                return "unhealthy", f"agent {lane.index} is gone: {lane.why}"
             if lane.state is LaneState.RECOVERING:
                 return "recovering", f"agent {lane.index} restarting for {now - lane.down_since:.0f}s ({lane.why})"
             if lane.stuck(now):

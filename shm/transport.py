@@ -70,7 +70,8 @@ class AgentClient:
         self.closed = False
 
     # ------------------------------------------------------------ liveness
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raises AgentDead if the agent is gone (cheap: a monitor poll and a /proc read)."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
@@ -98,7 +99,7 @@ class AgentClient:
         if self._pending and (not step or len(self._pending) >= len(self.arenas)
                               or any(s == slot for _, _, s in self._pending)):
             raise RuntimeError("the command cannot be pipelined behind the ones in flight")
-        self._check_alive()
+        self.check_alive()
         self._msg_id += 1
         self._pending.append((self._msg_id, dims, slot))
         self.sock.send_multipart(P.encode(cmd, {**(header or {}), "id": self._msg_id}, frames))
@@ -107,7 +108,7 @@ class AgentClient:
         """Wait up to timeout_s for the reply to the oldest command in flight; None on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self._check_alive()
+            self.check_alive()
             wait = max(0.0, min(POLL_MS / 1000, deadline - time.monotonic()))
             if self.sock.poll(int(wait * 1000)):
                 ok, body, frames = P.decode_reply(self.sock.recv_multipart(copy=True))

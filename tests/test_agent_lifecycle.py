@@ -211,3 +211,46 @@ def test_agents_of_a_killed_llm_serving_exit_and_clean_up(tmp_path, tiny_model_d
         time.sleep(0.1)
     time.sleep(0.3)
     assert list(runtime.iterdir()) == []
+
+
+def test_a_dead_launcher_is_unhealthy_at_once_and_a_new_one_is_reattached(tmp_path, tiny_model_dir):
+    """SIGKILL of launch_agents: its agent exits and nobody will restart it. The attached server says
+    so on /health within a second, fails requests at once with 503 and the reason, and re-attaches by
+    itself when launch_agents is started again (no server restart)."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_SERVING_RUNTIME_DIR": str(runtime)}
+    config = tiny_config(tmp_path, tiny_model_dir)
+    launcher = Launcher(config, env)
+    srv = _server(config, "--attach", env=env)
+    relaunched = None
+    try:
+        want = _generate(srv.url)
+        [agent] = launcher.agent_pids()
+        os.kill(launcher.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while (health := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 200:
+            assert time.monotonic() - killed < 5, "the server never noticed"
+            time.sleep(0.02)
+        seen = time.monotonic() - killed
+        assert seen < 1.0 and "launcher" in health.json()["reason"], (seen, health.text)
+        for path, body in (("/generate", {"inputs": "anyone?"}), ("/v1/completions", {"prompt": "x", "stream": True})):
+            t0 = time.monotonic()
+            r = httpx.post(srv.url + path, json=body, timeout=30)
+            assert r.status_code == 503 and "launcher" in r.text and time.monotonic() - t0 < 2, r.text
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{agent}").exists() and "Z" not in Path(f"/proc/{agent}/stat").read_text().split()[2]:
+            assert time.monotonic() < deadline, "the orphaned agent did not exit"
+            time.sleep(0.1)
+        relaunched = Launcher(config, env)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{srv.url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the server did not re-attach"
+            time.sleep(0.2)
+        assert _generate(srv.url) == want
+    finally:
+        srv.stop()
+        for proc in (launcher.proc, relaunched.proc if relaunched else None):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(30)

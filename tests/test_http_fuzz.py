@@ -13,9 +13,16 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tests.helpers import ServerProcess, tiny_config
 from tests.test_server_e2e import stream_tgi
 
+# Floats near float32's limits (the sampler's dtype): 0 or inf there though finite and non-zero in
+# float64 (1e-300, 3.5e38), its smallest subnormal and normal, its largest, and values that round to 1.
+FLOAT32_EDGES = st.one_of(
+    st.sampled_from([1e-300, -1e-300, 1e-46, 7e-46, 1.4e-45, -1.4e-45, 1.1754944e-38, 3.4028235e38, 3.4028236e38,
+                     3.5e38, -3.5e38, 0.99999999999, 1.00000001, 2.0000001, -2.0000001]),
+    st.floats(min_value=1e-320, max_value=1e-36), st.floats(min_value=3e38, max_value=4e38))
 EXTREME = st.one_of(
     st.integers(-2**70, 2**70), st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, -2**63, 10**30]),
     st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e-40, 5e-324, 1e38, 1e39, 1e308, -0.0]),
+    FLOAT32_EDGES,
     st.text(max_size=12), st.sampled_from(["True", "False", "1e400", "nan", "-inf", "", "\ud800"]),
     st.booleans(), st.none(), st.lists(st.integers(-3, 400), max_size=4),
     st.lists(st.text(max_size=4), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
@@ -84,7 +91,7 @@ def innocent(server):
     assert not wrong and len(done) >= len(INNOCENT)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(req=requests_())
 def test_any_parameter_value_gets_4xx_or_a_valid_answer(server, innocent, req):
