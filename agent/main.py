@@ -123,7 +123,7 @@ class AgentServer:
             check_indices(v, self.runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
             if msg.cmd == P.DECODE_STEP:
                 check_decode(v)
-            self.runner.graph_for(v.inputs)
+            graph_tokens, _ = self.runner.graph_for(v.inputs)
         except ValueError as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
@@ -131,7 +131,7 @@ class AgentServer:
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else arena.output_frames(dims.n_rows)
-        return {"model_s": model_s, "agent_s": time.perf_counter() - t0,
+        return {"model_s": model_s, "agent_s": time.perf_counter() - t0, "graph_tokens": graph_tokens,
                 "graph_compiles": self.runner.graph_compiles}, frames
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:

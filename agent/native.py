@@ -61,6 +61,10 @@ def library() -> str | None:
     """Path of the kernel library built from agent/kernels/*.cpp, compiled once per source,
     compiler flags and CPU; None when native kernels are off or cannot be built."""
     if not enabled():
+        if os.environ.get("LLM_SERVING_NATIVE", "1") == "0":
+            log.warning("native kernels off (LLM_SERVING_NATIVE=0): plain MindSpore ops, slower, same results")
+        else:
+            log.info("native kernels off: they are CPU kernels and the device is %s", os.environ["LLM_SERVING_DEVICE"])
         return None
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:

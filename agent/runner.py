@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from agent import native
+from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
 from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import needs_penalty, sample
@@ -131,6 +132,7 @@ class ModelRunner:
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
+        self.dump = LogitsDump.from_env()  # the contest's raw-logit precision files (--dump-logits)
 
     @property
     def graph_compiles(self) -> int:
@@ -204,6 +206,8 @@ class ModelRunner:
         logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
         sampled = np.nonzero(x.sample)[0]
+        if sampled.size and self.dump is not None:  # before penalties change the logits in place
+            self.dump.write(logits[sampled], x.seq_ids[sampled], v.sampling.output_len[sampled])
         if sampled.size:
             hist = [self._history(int(x.seq_ids[r])) for r in sampled]
             res = sample(logits[sampled], lse[sampled], v.sampling.take(sampled), hist, self.rng)

@@ -15,7 +15,7 @@ import yaml
 
 from agent.model import LlamaConfig
 from agent.quant import from_q8_0
-from common.model_files import ModelFiles
+from common.model_files import ModelFiles, mindformers_yaml
 
 Weights = dict[str, Any]  # float32 arrays; Int8Rows for Q8_0 projections loaded with int8=True
 
@@ -150,17 +150,17 @@ def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
 
 # ---------------------------------------------------------------- MindFormers checkpoint + yaml
 def mindformers_model_config(path: Path) -> dict:
-    """`model.model_config` of a MindFormers yaml. Read with mindformers' own MindFormerConfig when
-    it is installed (the `mindformers` extra: it resolves `base_config` inheritance), else as YAML."""
+    """`model.model_config` of a MindFormers yaml, its `base_config` chain resolved: by mindformers'
+    own MindFormerConfig when the `mindformers` extra is installed, else by the same merge in plain
+    YAML (common/model_files.py)."""
     doc = yaml.safe_load(path.read_text()) or {}
     if doc.get("base_config"):
         try:
             from mindformers import MindFormerConfig
         except ImportError:
-            raise ValueError(f"{path} inherits base_config {doc['base_config']}: reading it needs mindformers "
-                             "(pip install '.[mindformers]')") from None
-        doc = MindFormerConfig(str(path))
-        return dict(doc.model.model_config)
+            doc = mindformers_yaml(path)
+        else:
+            return dict(MindFormerConfig(str(path)).model.model_config)
     return doc.get("model", {}).get("model_config", doc.get("model_config", doc))
 
 

@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -29,6 +30,34 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
+def mindformers_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A MindFormers yaml with its `base_config` chain resolved as MindFormerConfig does, without
+    importing mindformers: each base (a path or a list, relative to the yaml's folder) is read the
+    same way, several bases update one another in order, and the yaml's own keys merge into them
+    recursively (a nested mapping is merged, anything else replaced)."""
+    path = path.expanduser().resolve()
+    if path in seen:
+        raise ValueError(f"base_config cycle: {' -> '.join(map(str, (*seen, path)))}")
+    if not path.is_file():
+        raise FileNotFoundError(f"MindFormers yaml {path} not found" + (f" (base_config of {seen[-1]})" if seen else ""))
+    doc = yaml.safe_load(path.read_text()) or {}
+    bases = doc.pop("base_config", None)
+    if not bases:
+        return doc
+    merged: dict[str, Any] = {}
+    for base in bases if isinstance(bases, list) else [bases]:
+        merged.update(mindformers_yaml(path.parent / str(base), (*seen, path)))
+    return _merge(doc, merged)
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """`a` merged into `b` (MindFormerConfig._merge_a_into_b)."""
+    out = dict(b)
+    for key, value in a.items():
+        out[key] = _merge(value, out[key]) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def _from_mindformers_yaml(cfg_path: str) -> ModelFiles:
     """The original's way: model_cfg_path is a MindFormers model yaml whose `load_checkpoint` names
     the weights (a .ckpt, or a folder holding one). Anything missing is an error naming it, never a
@@ -37,7 +66,7 @@ def _from_mindformers_yaml(cfg_path: str) -> ModelFiles:
     if not p.is_file():
         raise FileNotFoundError(f"model_config.model_cfg_path {p} not found (the MindFormers model yaml whose "
                                 "load_checkpoint names the weights); or set model_config.model_path")
-    ckpt = (yaml.safe_load(p.read_text()) or {}).get("load_checkpoint")
+    ckpt = mindformers_yaml(p).get("load_checkpoint")
     if not ckpt:
         raise ValueError(f"{p} has no load_checkpoint: name the checkpoint there, or set model_config.model_path")
     c = Path(str(ckpt)).expanduser()

@@ -14,10 +14,12 @@ import signal
 import sys
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from agent.logits_dump import ENV_DIR, ENV_EVERY
 from common.config import ConfigError, ServingConfig, load_config
 from common.procs import stopped
 from shm import protocol as P
@@ -33,6 +35,22 @@ STOPPED_GRACE_S = 5.0  # a starting agent stopped (SIGSTOP) this long is given u
 
 class AgentStartError(RuntimeError):
     pass
+
+
+def agent_env(args: argparse.Namespace) -> None:
+    """Command-line switches the agents we spawn read from their environment."""
+    if args.verbose:
+        os.environ["LLM_SERVING_VERBOSE"] = "1"
+    if args.dump_logits:
+        os.environ[ENV_DIR] = str(Path(args.dump_logits).resolve())
+        os.environ[ENV_EVERY] = str(args.dump_every)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
 
 
 def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = None) -> dict[str, Any]:
@@ -127,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"], help="model_config.model_dtype")
+    ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files (as llm-serving's)")
+    ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
     args = ap.parse_args(argv)
-    if args.verbose:
-        os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
+    agent_env(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {"model_dtype": args.model_dtype} if args.model_dtype else {}  # agents reload the config with them
     try:

@@ -76,10 +76,10 @@ class LLM:
                 token_ids.append(d.token_id)
                 logprobs.append(d.logprob)
             if d.finish_reason:
-                if d.error or d.finish_reason not in ("stop", "length"):
+                if d.error or d.finish_reason not in ("eos", "stop", "length"):
                     raise RuntimeError(f"request ended: {d.finish_reason}: {d.error}")
-                bar.update(1)
-                return Completion(prompt, text, token_ids, logprobs, d.finish_reason)
+                bar.update(1)  # vLLM's reasons: the end of sequence is a "stop" too
+                return Completion(prompt, text, token_ids, logprobs, "length" if d.finish_reason == "length" else "stop")
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from common.config import ConfigError, ServingConfig, load_config
 from common.model_files import model_identity, resolve_model
-from llm_serving.launch import AgentStartError, respawn_agent, start_agents, stop_agents
+from llm_serving.launch import AgentStartError, agent_env, positive, respawn_agent, start_agents, stop_agents
 from server.engine import Engine
 from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
@@ -179,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reset-agents", action="store_true",
                     help="with --attach: take over agents that another (stuck) server still holds (sends r)")
     ap.add_argument("--demo", action="store_true", help="send one chat request once ready and print the answer")
+    ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files: each sampled row's raw "
+                    "logits as .npy every --dump-every generated positions (tools/test_serving_performance.py)")
+    ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     args = ap.parse_args(argv)
-    if args.verbose:
-        os.environ["LLM_SERVING_VERBOSE"] = "1"  # read by the agents we spawn
+    agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port", "overlap_steps")
                  if getattr(args, k) is not None}
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return start_failed(f"config: {exc}", args.verbose)
     for line in cfg.notices:
         log.warning("config: %s", line)
+    log.info("step graphs: %s tokens (at most %d per step, %d sequences per agent)", cfg.token_buckets,
+             cfg.mixed_step_tokens, cfg.max_running)
     removed = clean_stale_segments()
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))

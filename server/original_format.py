@@ -12,8 +12,10 @@ import json
 from typing import Any
 
 RETRY_MS = 30000
-# The original's EntryStatus reasons: stop, length, abort (failed or cancelled).
-FINISH_REASON = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "abort"}
+# The original's `generate_result` reasons: "eos" (the token is an end token), "length"
+# (max_new_tokens), "predict_failed" (the agent failed). Ours where it had none: "stop" (a stop
+# string or stop token id, which it ignored) and "abort" (the client went away; it never noticed).
+FINISH_REASON = {"eos": "eos", "length": "length", "error": "predict_failed", "stop": "stop", "cancelled": "abort"}
 
 
 def line(obj: Any) -> str:
@@ -39,6 +41,36 @@ def stream_item(token: dict[str, Any]) -> dict[str, Any]:
 def final_item(tokens: list[dict[str, Any]], text: str, reason: str) -> dict[str, Any]:
     """The last stream object with `return_full_text`: the whole generated text (never the prompt)."""
     return {"details": None, **{k: v for k, v in full_reply(tokens, text, reason).items() if k != "details"}}
+
+
+class StreamLines:
+    """The lines of one original stream: a line per token, then its ending. With `full_text`
+    (return_full_text, on by default) the last line carries the whole generated text and the
+    finish reason, as the original's; a failure ends with that line (predict_failed) plus an
+    `error` field, or without full_text with an `{"event": "error"}` line whose `data[0]` still has
+    the `generated_text` key its clients read."""
+
+    def __init__(self, sse: bool, full_text: bool):
+        self.sse, self.full_text = sse, full_text
+        self.items: list[dict[str, Any]] = []
+        self.text = ""
+
+    def token(self, item: dict[str, Any]) -> str:
+        self.items.append(item)
+        self.text += item["text"]
+        return self._line(stream_item(item))
+
+    def end(self, reason: str, error: str | None = None) -> str | None:
+        if not self.full_text:
+            if error is None:
+                return None
+            return line({"event": "error", "data": [{"error": error, "finish_reason": FINISH_REASON["error"],
+                                                      "generated_text": ""}]})
+        last = final_item(self.items, self.text, reason) if self.sse else full_reply(self.items, self.text, reason)
+        return self._line({**last, "error": error} if error is not None else last)
+
+    def _line(self, item: dict[str, Any]) -> str:
+        return line(event(item)) if self.sse else plain_line(item)
 
 
 def event(item: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,9 @@ class OutputProcessor:
         reason = None
         is_eos = token in self.eos and not p.ignore_eos
         text = "" if is_eos else req.detok.add(token)
-        if is_eos or token in p.stop_token_ids or req.detok.stop_hit():
+        if is_eos:  # the model's EOS or a configured end_token: the original's "eos"
+            reason = "eos"
+        elif token in p.stop_token_ids or req.detok.stop_hit():  # the client's own stops
             reason = "stop"
         elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"

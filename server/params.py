@@ -88,10 +88,12 @@ ORIGINAL_MAX_NEW_TOKENS = 300
 
 def original_params(p: Any) -> tuple[SamplingParams, dict[str, Any]]:
     """`parameters` of the original llm-serving API, with its defaults: top_k 3 when sampling,
-    return_protocol "sse", return_full_text and details off (max_new_tokens: ORIGINAL_MAX_NEW_TOKENS,
+    return_protocol "sse", return_full_text on (its request model's default: a stream ends with a
+    line carrying the whole generated text), details off (max_new_tokens: ORIGINAL_MAX_NEW_TOKENS,
     applied with the prompt's length known)."""
     sp, opts = tgi_params(p, top_k=ORIGINAL_TOP_K)
     p = p or {}
+    opts["return_full_text"] = to_bool(p.get("return_full_text", True), "return_full_text")
     protocol = p.get("return_protocol", "sse")
     if not isinstance(protocol, str):
         raise InvalidRequest("return_protocol must be a string")

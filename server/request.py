@@ -24,7 +24,9 @@ class Delta:
     text: str
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | cancelled | error
+    # eos (end of sequence) | stop (a client's stop string or id) | length | cancelled | error; each
+    # dialect names them its own way (server/routes_*.py)
+    finish_reason: str | None = None
     error: str | None = None
     status: int = 500  # of an error: 503 when no agent can serve it (nothing was wrong with the request)
 

@@ -49,7 +49,7 @@ def router(f: Frontend) -> APIRouter:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def oa_reason(reason: str) -> str:
-        return reason if reason in ("stop", "length") else "abort"
+        return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, "abort")
 
     async def openai(http: HttpRequest, b: dict[str, Any], chat: bool) -> Response:
         params = openai_params(b, chat)

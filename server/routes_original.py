@@ -31,21 +31,12 @@ def router(f: Frontend) -> APIRouter:
         sse_protocol = opts["return_protocol"] == "sse"
 
         async def lines() -> AsyncIterator[str]:
-            items, full = [], ""
+            out = orig.StreamLines(sse_protocol, opts["return_full_text"])
             async for d in f.stream(http, ids, params):
-                if d.error:
-                    yield orig.line({"event": "error", "data": [{"error": d.error}]})
-                    return
                 if d.token_id is not None:
-                    items.append(original_item(d))
-                    full += d.text
-                    item = orig.stream_item(items[-1])
-                    yield orig.line(orig.event(item)) if sse_protocol else orig.plain_line(item)
-                if d.finish_reason and opts["return_full_text"]:
-                    if sse_protocol:
-                        yield orig.line(orig.event(orig.final_item(items, full, d.finish_reason)))
-                    else:
-                        yield orig.plain_line(orig.full_reply(items, full, d.finish_reason))
+                    yield out.token(original_item(d))
+                if d.finish_reason and (last := out.end(d.finish_reason, d.error)):
+                    yield last
 
         return StreamingResponse(await primed(lines()),
                                  media_type="text/event-stream" if sse_protocol else "text/plain")

@@ -16,7 +16,8 @@ from server.sampling_params import InvalidRequest, SamplingParams
 def router(f: Frontend) -> APIRouter:
     router = APIRouter(tags=["TGI"])
 
-    tgi_reason = {"stop": "eos_token", "length": "length", "cancelled": "cancelled", "error": "error"}
+    tgi_reason = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "cancelled": "cancelled",
+                  "error": "error"}
 
     def tgi_details(r_reason: str, n: int, params: SamplingParams, toks: list[dict]) -> dict[str, Any]:
         return {"finish_reason": tgi_reason.get(r_reason, r_reason), "generated_tokens": n, "seed": params.seed,

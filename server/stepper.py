@@ -131,7 +131,7 @@ class Stepper:
                     self.end(req, reason)
         self.trace.record(StepRecord(lane.index, kind, len(plan), sum(p.n_tokens for p in plan), step.sent_at, start,
                                      now, step.prepare_s, time.monotonic() - now, body.get("model_s", 0.0),
-                                     body.get("agent_s", 0.0)))
+                                     body.get("agent_s", 0.0), body.get("graph_tokens", 0)))
 
     def lane_down(self, lane: AgentLane, why: str, kill: bool = True) -> None:
         plan, seqs = self.supervisor.down(lane, why, kill)

@@ -26,6 +26,7 @@ class StepRecord:
     outputs_s: float  # server: processing the reply
     model_s: float  # agent: the model's graph call
     agent_s: float  # agent: handling the command, model and sampling included
+    graph_tokens: int  # agent: the token bucket (graph) that ran it, n_tokens padded
 
 
 class StepTrace:
@@ -49,7 +50,7 @@ class StepTrace:
             {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "agents"}},
             {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "server"}}]
         for s in self.steps:
-            events.append(event(f"{s.kind} r={s.rows} t={s.n_tokens}", 1, s.agent, s.start, s.end - s.start,
+            events.append(event(f"{s.kind} r={s.rows} t={s.n_tokens}/{s.graph_tokens}", 1, s.agent, s.start, s.end - s.start,
                                 {**asdict(s), "model_ms": round(s.model_s * 1e3, 3)}))
             events.append(event("model", 1, s.agent, s.end - s.agent_s, s.model_s))
             events.append(event("prepare", 2, s.agent, s.sent - s.prepare_s, s.prepare_s))

@@ -39,13 +39,16 @@ def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -
 
 
 class ServerProcess:
-    """`llm-serving --config X` as a real child process (it spawns its agents)."""
+    """`llm-serving --config X` as a real child process (it spawns its agents); `script`: another
+    entry point taking the same arguments (examples/start.py)."""
 
-    def __init__(self, config: Path, *extra: str, timeout_s: float = 300, env: dict[str, str] | None = None):
+    def __init__(self, config: Path, *extra: str, timeout_s: float = 300, env: dict[str, str] | None = None,
+                 script: str | None = None):
         self.config_path, self.config = config, yaml.safe_load(config.read_text())
         self.url = f"http://127.0.0.1:{self.config['serving_config']['server_port']}"
         self.log = config.with_suffix(".log")
-        self.proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(config), *extra],
+        entry = [script] if script else ["-m", "llm_serving.serve"]
+        self.proc = subprocess.Popen([sys.executable, *entry, "--config", str(config), *extra],
                                      cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      start_new_session=True)

@@ -101,13 +101,16 @@ def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
     np.testing.assert_allclose(y2.asnumpy(), x64 @ w2, atol=tol, rtol=1e-5)
 
 
-def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp_path):
+def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: a build would be needed
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert native.library() is None
+    assert "no C++ compiler" in caplog.text
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("LLM_SERVING_NATIVE", "0")
+    caplog.clear()
     assert native.library() is None
+    assert "native kernels off (LLM_SERVING_NATIVE=0)" in caplog.text  # never silently slow
     monkeypatch.delenv("LLM_SERVING_NATIVE")
     assert native.library() is not None  # and builds into the fresh cache
     assert list((tmp_path / "llm-serving" / "kernels").glob("kernels-*.so"))

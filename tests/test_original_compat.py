@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,40 @@ def test_contest_copy_serves_the_checkpoint_its_model_cfg_path_names(contest_cop
     assert info["model_id"] == "llama_7b" and info["max_input_length"] == 64
 
 
+def test_the_contest_buckets_are_caps_and_small_steps_run_small_graphs(contest_copy):
+    """seq_length [4096] / decode_batch_size [128] are the contest's: steps of 1 to 4096 tokens, 4x
+    apart at most; here (its copy: [64] / [8]) a lone decode runs the 1-token graph, a short prompt
+    beside running decodes a graph within the budget, and none larger is built."""
+    contest = load_config(CONTEST)
+    assert contest.token_buckets == [1, 4, 16, 64, 128, 512, 2048, 4096]
+    assert sum("step sizes here" in n for n in contest.notices) == 1
+    srv, _ = contest_copy
+    assert "step graphs: [1, 4, 8, 32, 64] tokens" in srv.log.read_text()
+    body = {"inputs": "one alone", "parameters": {"max_new_tokens": 6, "do_sample": "False", "ignore_eos": "True"}}
+    before = len(_trace_steps(srv.url))
+    assert httpx.post(f"{srv.url}/models/llama2/generate", json=body, timeout=60).status_code == 200
+    alone = _trace_steps(srv.url)[before:]
+    assert [s["graph_tokens"] for s in alone if s["kind"] == "decode"] == [1] * 5, alone
+    threads = [threading.Thread(target=httpx.post, args=(f"{srv.url}/models/llama2/generate",),
+                                kwargs={"json": {**body, "parameters": {**body["parameters"], "max_new_tokens": 40}},
+                                        "timeout": 60}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    short = {"inputs": [5] * 10, "parameters": {"max_new_tokens": 2, "do_sample": "False", "ignore_eos": "True"}}
+    assert httpx.post(f"{srv.url}/models/llama2/generate", json=short, timeout=60).status_code == 200
+    for t in threads:
+        t.join(60)
+    steps = _trace_steps(srv.url)[before:]
+    assert max(s["graph_tokens"] for s in steps) <= 64 and any(s["n_tokens"] >= 10 for s in steps)
+    assert all(s["graph_tokens"] >= s["n_tokens"] for s in steps)
+
+
+def _trace_steps(url: str) -> list[dict]:
+    trace = httpx.get(f"{url}/debug/trace", timeout=10).json()["traceEvents"]
+    return [e["args"] for e in trace if e.get("pid") == 1 and "graph_tokens" in e.get("args", {})]
+
+
 def _client(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(CLIENT), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
@@ -121,10 +156,37 @@ def test_precision_mode_passes_on_the_same_model_and_fails_on_a_perturbed_one(co
     doc["serving_config"].update(agent_ports=[free_port()], server_port=free_port())
     other = tmp_path / "perturbed.yaml"
     other.write_text(yaml.safe_dump(doc))
-    p = ServerProcess(other)
+    p = ServerProcess(other, "--dump-logits", str(tmp_path / "raw-c"), "--dump-every", "4")
     try:
         assert _client("-P", p.url.rsplit(":", 1)[1], *dump, "--precision-dump", "c.json", cwd=tmp_path).returncode == 0
+        for f in (tmp_path / "raw-c").glob("*.npy"):  # what the JSON run made the server write
+            f.unlink()
+        assert _client("-P", p.url.rsplit(":", 1)[1], *dump, "--precision-dump", "raw-c", cwd=tmp_path).returncode == 0
     finally:
         p.stop()
     differ = _client("--precision-compare", "a.json", "c.json", cwd=tmp_path)
     assert differ.returncode == 1 and "FAIL" in differ.stdout
+
+    # The contest's own layout: raw full-vocabulary logits, one .npy per prompt and position.
+    doc["model_config"].update(model_path=str(tiny_model_dir))
+    doc["serving_config"].update(agent_ports=[free_port()], server_port=free_port())
+    same_model = tmp_path / "same.yaml"
+    same_model.write_text(yaml.safe_dump(doc))
+    for run in ("raw-a", "raw-b"):
+        q = ServerProcess(same_model, "--dump-logits", str(tmp_path / run), "--dump-every", "4")
+        try:
+            r = _client("-P", q.url.rsplit(":", 1)[1], *dump, "--precision-dump", run, cwd=tmp_path)
+            assert r.returncode == 0, r.stderr
+        finally:
+            q.stop()
+    files = sorted((tmp_path / "raw-a").glob("*.npy"))
+    assert [f.name.rsplit("_pos", 1)[1] for f in files] == ["0.npy", "4.npy", "8.npy", "12.npy"] * 2
+    assert np.load(files[0]).shape == (272,) and np.load(files[0]).dtype == np.float32  # the whole vocabulary
+    same = _client("--precision-compare", "raw-a", "raw-b", cwd=tmp_path)
+    assert same.returncode == 0 and same.stdout.count("ok  ") == 8 and "precision PASS" in same.stdout
+    differ = _client("--precision-compare", "raw-a", "raw-c", cwd=tmp_path)
+    first = files[0].name
+    assert differ.returncode == 1 and "precision FAIL" in differ.stdout
+    assert f"first difference: {first} (position 0)" in differ.stdout, differ.stdout
+    missing = _client("-P", q.url.rsplit(":", 1)[1], *dump, "--precision-dump", "nowhere", cwd=tmp_path)
+    assert missing.returncode != 0

@@ -3,6 +3,8 @@ for the same tokens (key order, spacing, non-ASCII kept, newline-terminated, `da
 list), written out by hand here rather than derived from our builders."""
 from __future__ import annotations
 
+import pytest
+
 from server import original_format as orig
 
 A = orig.token_item(5, -0.5, False, "é")
@@ -11,21 +13,22 @@ A_JSON = '{"id": 5, "logprob": -0.5, "special": false, "text": "é"}'
 B_JSON = '{"id": 2, "logprob": -1.25, "special": true, "text": ""}'
 
 
+FULL = f'"prefill": [{A_JSON}], "seed": 0, "tokens": [{A_JSON}, {B_JSON}], "top_tokens": [[{A_JSON}]]'
+TOKEN_LINE = ('{"event": "message", "retry": 30000, "data": [{"details": null, "generated_text": "é", '
+              f'"tokens": {A_JSON}, "top_tokens": [{A_JSON}]}}]}}\n')
+
+
 def test_generate_reply_bytes():
-    got = orig.line(orig.full_reply([A, B], "é", "stop"))
-    assert got == ('{"generated_text": "é", "finish_reason": "stop", "generated_tokens": 2, '
-                   f'"prefill": [{A_JSON}], "seed": 0, "tokens": [{A_JSON}, {B_JSON}], '
-                   f'"top_tokens": [[{A_JSON}]], "details": null}}\n')
+    got = orig.line(orig.full_reply([A, B], "é", "eos"))
+    assert got == ('{"generated_text": "é", "finish_reason": "eos", "generated_tokens": 2, '
+                   f'{FULL}, "details": null}}\n')
 
 
 def test_sse_stream_lines_bytes():
-    assert orig.line(orig.event(orig.stream_item(A))) == (
-        '{"event": "message", "retry": 30000, "data": [{"details": null, "generated_text": "é", '
-        f'"tokens": {A_JSON}, "top_tokens": [{A_JSON}]}}]}}\n')
+    assert orig.line(orig.event(orig.stream_item(A))) == TOKEN_LINE
     final = orig.line(orig.event(orig.final_item([A, B], "é", "length")))
     assert final == ('{"event": "message", "retry": 30000, "data": [{"details": null, "generated_text": "é", '
-                     f'"finish_reason": "length", "generated_tokens": 2, "prefill": [{A_JSON}], "seed": 0, '
-                     f'"tokens": [{A_JSON}, {B_JSON}], "top_tokens": [[{A_JSON}]]}}]}}\n')
+                     f'"finish_reason": "length", "generated_tokens": 2, {FULL}}}]}}\n')
 
 
 def test_plain_protocol_stream_lines_bytes():
@@ -40,4 +43,42 @@ def test_status_events_bytes():
 
 
 def test_finish_reasons_are_the_originals():
-    assert {orig.FINISH_REASON[r] for r in ("stop", "length", "cancelled", "error")} == {"stop", "length", "abort"}
+    """generate_result's reasons: eos (an end token), length, predict_failed (the agent failed)."""
+    assert {r: orig.FINISH_REASON[r] for r in ("eos", "length", "error")} == {
+        "eos": "eos", "length": "length", "error": "predict_failed"}
+
+
+@pytest.mark.parametrize("reason, said", [("eos", "eos"), ("length", "length"), ("stop", "stop")])
+def test_stream_endings_with_return_full_text(reason, said):
+    """The default (return_full_text on): token lines, then the whole generated text with the reason."""
+    out = orig.StreamLines(sse=True, full_text=True)
+    assert out.token(A) == TOKEN_LINE
+    out.token(B)
+    assert out.end(reason) == ('{"event": "message", "retry": 30000, "data": [{"details": null, "generated_text": '
+                               f'"é", "finish_reason": "{said}", "generated_tokens": 2, {FULL}}}]}}\n')
+    plain = orig.StreamLines(sse=False, full_text=True)
+    plain.token(A)
+    plain.token(B)
+    assert plain.end(reason) == (f'data:{{"generated_text": "é", "finish_reason": "{said}", "generated_tokens": 2, '
+                                 f'{FULL}, "details": null}}\n')
+
+
+@pytest.mark.parametrize("reason", ["eos", "length", "stop"])
+def test_stream_endings_without_return_full_text(reason):
+    out = orig.StreamLines(sse=True, full_text=False)
+    assert out.token(A) == TOKEN_LINE and out.end(reason) is None  # the token lines are the whole answer
+
+
+def test_stream_failure_endings():
+    """An agent failure mid-stream: predict_failed, with our reason beside it."""
+    out = orig.StreamLines(sse=True, full_text=True)
+    out.token(A)
+    out.token(B)
+    assert out.end("error", "agent died") == (
+        '{"event": "message", "retry": 30000, "data": [{"details": null, "generated_text": "é", '
+        f'"finish_reason": "predict_failed", "generated_tokens": 2, {FULL}, "error": "agent died"}}]}}\n')
+    bare = orig.StreamLines(sse=True, full_text=False)
+    bare.token(A)
+    assert bare.end("error", "agent died") == (
+        '{"event": "error", "data": [{"error": "agent died", "finish_reason": "predict_failed", '
+        '"generated_text": ""}]}\n')

@@ -124,7 +124,7 @@ def test_stop_string_is_never_streamed_and_cancel_frees_everything(runs):
     stop = runs["stop"]
     for overlap in (False, True):
         batch, full, _, idle = runs[overlap]
-        assert batch["stop"]["reason"] == "eos_token" and stop not in batch["stop"]["text"]
+        assert batch["stop"]["reason"] == "stop_sequence" and stop not in batch["stop"]["text"]
         cancelled = batch["cancel"]["ids"]
         assert len(cancelled) >= 4 and cancelled == full["ids"][:len(cancelled)]
         assert idle["kv_usage"] == [0.0]  # the cancelled request's blocks came back

@@ -41,11 +41,12 @@ def original_generate(url: str, prompt: str, new: int = NEW, **params) -> dict:
 def stream_original(url: str, prompt: str) -> str:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW, "do_sample": "False", "ignore_eos": "True"},
             "stream": "True"}
-    text = ""
     with httpx.stream("POST", f"{url}/models/tiny", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line:
-                text += json.loads(line)["data"][0]["generated_text"]
+        items = [json.loads(line)["data"][0] for line in r.iter_lines() if line]
+    # return_full_text is on unless the client says otherwise (the original's default): a last line
+    # with the whole generated text follows the token lines
+    text = "".join(item["generated_text"] for item in items[:-1])
+    assert items[-1]["finish_reason"] == "length" and items[-1]["generated_text"] == text
     return text
 
 
@@ -118,6 +119,24 @@ def test_original_stream_as_the_contest_client_reads_it(server):
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data:{") for line in lines)
     assert json.loads(lines[-1][5:])["generated_text"] == texts[-1]
+
+
+def test_original_endings_name_the_originals_reasons(server):
+    """A stop string ends with our "stop" (the original ignored stops); without return_full_text
+    the stream is its token lines alone; the default (on) ends with the reason."""
+    text = original_generate(server.url, "stop here", new=10)["generated_text"]
+    stop = text[3:5]
+    r = original_generate(server.url, "stop here", new=10, stop=[stop])
+    assert r["finish_reason"] == "stop" and r["generated_text"] == text[:text.index(stop)]
+    body = {"inputs": "stop here", "parameters": {"max_new_tokens": 10, "do_sample": "False", "ignore_eos": "True",
+                                                  "stop": [stop]}}
+    with httpx.stream("POST", f"{server.url}/models/tiny/generate_stream", json=body, timeout=60) as s:
+        items = [json.loads(line)["data"][0] for line in s.iter_lines() if line]
+    assert items[-1]["finish_reason"] == "stop" and items[-1]["generated_text"] == r["generated_text"]
+    body["parameters"]["return_full_text"] = "False"
+    with httpx.stream("POST", f"{server.url}/models/tiny/generate_stream", json=body, timeout=60) as s:
+        items = [json.loads(line)["data"][0] for line in s.iter_lines() if line]
+    assert "finish_reason" not in items[-1] and "".join(i["generated_text"] for i in items) == r["generated_text"]
 
 
 def test_original_default_length_is_capped_by_max_generate_length(server):

@@ -71,21 +71,36 @@ def test_export_round_trips_through_our_loaders(tmp_path):
     assert load_tokenizer(ModelFiles("gguf", tmp_path / "m-f32.gguf")).encode(text) == ids
 
 
-def test_mindformers_yaml_with_base_config_needs_the_extra(tmp_path):
-    import importlib.util
-
+def test_mindformers_base_config_chains_resolve_without_the_extra(tmp_path):
+    """As MindFormerConfig merges them: bases relative to the yaml, a list of bases in order, the
+    child's nested keys merged into the base's; load_checkpoint found in a base. With the extra
+    installed, mindformers itself reads the chain and must agree."""
     import pytest
     import yaml
 
     from agent.weights import mindformers_model_config
+    from common.model_files import mindformers_yaml, resolve_model
 
-    plain = tmp_path / "plain.yaml"
-    plain.write_text(yaml.safe_dump({"model": {"model_config": {"hidden_size": 64}}}))
-    assert mindformers_model_config(plain) == {"hidden_size": 64}
+    ckpt = tmp_path / "llama.ckpt"
+    ckpt.write_bytes(b"x")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "llama.yaml").write_text(yaml.safe_dump({
+        "load_checkpoint": str(ckpt), "model": {"model_config": {"hidden_size": 64, "num_layers": 2}}}))
+    (tmp_path / "base" / "run.yaml").write_text(yaml.safe_dump({"base_config": "llama.yaml", "seed": 1,
+                                                                "model": {"model_config": {"num_heads": 4}}}))
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump({"seed": 2, "runner": {"batch": 8}}))
     child = tmp_path / "child.yaml"
-    child.write_text(yaml.safe_dump({"base_config": ["plain.yaml"], "model": {"model_config": {"num_layers": 3}}}))
-    if importlib.util.find_spec("mindformers") is None:
-        with pytest.raises(ValueError, match=r"needs mindformers \(pip install '.\[mindformers\]'\)"):
-            mindformers_model_config(child)
-    else:
-        assert mindformers_model_config(child) == {"hidden_size": 64, "num_layers": 3}
+    child.write_text(yaml.safe_dump({"base_config": ["base/run.yaml", "other.yaml"],
+                                     "model": {"model_config": {"num_layers": 3}}}))
+    assert mindformers_model_config(child) == {"hidden_size": 64, "num_layers": 3, "num_heads": 4}
+    doc = mindformers_yaml(child)
+    assert doc["seed"] == 2 and doc["runner"] == {"batch": 8} and "base_config" not in doc
+    files = resolve_model(None, str(child))  # the original's way: model_cfg_path alone names the weights
+    assert files.path == ckpt and files.cfg_path == child
+    (tmp_path / "a.yaml").write_text("base_config: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base_config: a.yaml\n")
+    with pytest.raises(ValueError, match="base_config cycle"):
+        mindformers_yaml(tmp_path / "a.yaml")
+    (tmp_path / "lost.yaml").write_text("base_config: nowhere.yaml\n")
+    with pytest.raises(FileNotFoundError, match="nowhere.yaml not found .base_config of"):
+        mindformers_yaml(tmp_path / "lost.yaml")

@@ -13,9 +13,12 @@ summary (per-request latency, tokens, per-token latency, totals) to <out>/count_
 
 Token counts use ./tokenizer.model when present (the original's llama2 tokenizer), else the
 server's own tokenizer (POST /tokenize). `--make-sample FILE` writes a small Alpaca-format sample.
-Precision (the contest's check): `--precision-dump FILE` stores the top logprobs of fixed prompts
-every `--every` positions at batch size 1; `--precision-compare A B` passes when they agree within
-atol 5e-3 (numpy.allclose), as the contest compared logits with its baseline.
+Precision (the contest's check, tools/precision.py): `--precision-dump DIR/` against a server
+started with `--dump-logits DIR` sends the prompts one at a time so the server writes the raw
+full-vocabulary logits as .npy files every `--dump-every` positions, the contest's own layout;
+`--precision-dump FILE.json` stores the top logprobs every `--every` positions over HTTP (any
+server). `--precision-compare A B` compares two folders (or two JSON dumps) within atol 5e-3
+(numpy.allclose), a line per file and a summary line, as the contest compared with its baseline.
 """
 from __future__ import annotations
 
@@ -31,8 +34,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools import precision  # noqa: E402
+
 DATASET = "./alpaca_5010.json"
-ATOL = 5e-3
 LOG = logging.getLogger("test_llama")
 
 
@@ -127,34 +133,6 @@ def make_sample(path: Path, n: int = 40) -> None:
     path.write_text(json.dumps(items, ensure_ascii=False, indent=1))
 
 
-def precision_dump(base: str, items: list[dict], path: Path, every: int, new: int) -> None:
-    """Top-5 logprobs at positions 0, every, 2*every, ... of greedy continuations, one request at a time."""
-    dump = []
-    for it in items:
-        body = {"prompt": prompt_of(it), "max_tokens": new, "temperature": 0, "logprobs": 5, "ignore_eos": True}
-        lp = httpx.post(f"{base}/v1/completions", json=body, timeout=600).json()["choices"][0]["logprobs"]
-        dump.append({"prompt": body["prompt"], "positions": list(range(0, len(lp["top_logprobs"]), every)),
-                     "top": [sorted(lp["top_logprobs"][p].items()) for p in range(0, len(lp["top_logprobs"]), every)]})
-    path.write_text(json.dumps(dump, ensure_ascii=False))
-
-
-def precision_compare(a: Path, b: Path) -> bool:
-    da, db = json.loads(a.read_text()), json.loads(b.read_text())
-    if [d["prompt"] for d in da] != [d["prompt"] for d in db]:
-        raise SystemExit("the two dumps are of different prompts")
-    worst = 0.0
-    ok = True
-    for x, y in zip(da, db):
-        for ta, tb in zip(x["top"], y["top"]):
-            same = [t for t, _ in ta] == [t for t, _ in tb]
-            va, vb = np.array([v for _, v in ta]), np.array([v for _, v in tb])
-            close = same and np.allclose(va, vb, atol=ATOL)
-            worst = max(worst, float(np.abs(va - vb).max()) if same else float("inf"))
-            ok &= bool(close)
-    print(f"precision {'PASS' if ok else 'FAIL'}: max |difference| {worst:.2e} (atol {ATOL})")
-    return ok
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-X", "--qps", type=float, help="requests per second")
@@ -164,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset", default=DATASET, help=f"Alpaca-format JSON list (default {DATASET})")
     ap.add_argument("--host", default="localhost")
     ap.add_argument("--make-sample", metavar="FILE", help="write a small Alpaca-format sample and exit")
-    ap.add_argument("--precision-dump", metavar="FILE", help="dump top logprobs of the first --prompts records")
-    ap.add_argument("--precision-compare", nargs=2, metavar=("A", "B"), help="compare two dumps (atol 5e-3)")
+    ap.add_argument("--precision-dump", metavar="DIR/|FILE.json", help="a folder the server dumps raw logits into "
+                    "(its --dump-logits), or a JSON file for top logprobs; first --prompts records")
+    ap.add_argument("--precision-compare", nargs=2, metavar=("A", "B"), help="compare two folders or two JSON dumps "
+                    "(atol 5e-3)")
     ap.add_argument("--prompts", type=int, default=5, help="precision: records to use")
     ap.add_argument("--every", type=int, default=100, help="precision: every n-th generated position")
     ap.add_argument("--max-new-tokens", type=int, default=300, help="precision: tokens per prompt")
@@ -175,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.make_sample}")
         return 0
     if args.precision_compare:
-        return 0 if precision_compare(*map(Path, args.precision_compare)) else 1
+        return 0 if precision.compare(*map(Path, args.precision_compare)) else 1
     base = f"http://{args.host}:{args.port}"
     if not Path(args.dataset).exists():
         print(f"{args.dataset} not found: pass --dataset FILE (an Alpaca-format JSON list of instruction/input/"
@@ -183,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     items = json.loads(Path(args.dataset).read_text())
     if args.precision_dump:
-        precision_dump(base, items[:args.prompts], Path(args.precision_dump), args.every, args.max_new_tokens)
-        print(f"wrote {args.precision_dump}")
+        prompts, target = [prompt_of(it) for it in items[:args.prompts]], Path(args.precision_dump)
+        if target.suffix == ".json":
+            precision.dump_top(base, prompts, target, args.every, args.max_new_tokens)
+            print(f"wrote {target}")
+        else:
+            print(f"the server wrote {precision.dump_raw(base, prompts, target, args.max_new_tokens)} files into {target}")
         return 0
     if args.qps is None:
         ap.error("-X/--qps is required")
