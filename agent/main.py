@@ -172,7 +172,11 @@ class AgentServer:
     def serve(self) -> None:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.address)
+        old = os.umask(0o077)  # an ipc socket file owner-only (0600): no other uid may connect and send `r`
+        try:
+            sock.bind(self.address)
+        finally:
+            os.umask(old)
         log.info("agent ready on %s", self.address)
         try:
             while not self.exiting:

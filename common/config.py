@@ -59,6 +59,9 @@ class ServingConfig:
     max_agent_restarts: int = 5  # restarts in a row (no successful step between) before giving up
     recovery_deadline_s: float = 300.0  # a request waiting this long for a recovering agent fails
     max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
+    max_header_bytes: int = 64 << 10  # larger request headers get 431
+    http_header_timeout_s: float = 10.0  # a connection must send a request's headers within this
+    http_keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     warmup: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before
     overlap_steps: bool = True  # send step N+1 while step N runs (decodes fed by the agent's own samples)
@@ -191,6 +194,9 @@ RANGES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("max_agent_restarts", "serving_config.max_agent_restarts", lambda v: v >= 0, ">= 0"),
     ("recovery_deadline_s", "serving_config.recovery_deadline_s", lambda v: v > 0, "> 0 seconds"),
     ("max_body_bytes", "serving_config.max_body_bytes", lambda v: v >= 1024, ">= 1024"),
+    ("max_header_bytes", "serving_config.max_header_bytes", lambda v: v >= 1024, ">= 1024"),
+    ("http_header_timeout_s", "serving_config.http_header_timeout_s", lambda v: v > 0, "> 0 seconds"),
+    ("http_keepalive_timeout_s", "serving_config.http_keepalive_timeout_s", lambda v: v >= 1, ">= 1 second"),
     ("num_blocks", "pa_config.num_blocks", lambda v: v >= 2, ">= 2 (block 0 is reserved)"),
     ("block_size", "pa_config.block_size", lambda v: v >= 1, ">= 1"),
     ("max_model_len", "pa_config.decode_seq_length", lambda v: v >= 2, ">= 2"),
@@ -273,9 +279,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log"):
         setattr(c, key, sc.get(key, getattr(c, key)))
     for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
-                "max_agent_restarts", "max_body_bytes"):
+                "max_agent_restarts", "max_body_bytes", "max_header_bytes"):
         setattr(c, key, _convert(sc, "serving_config", key, int, getattr(c, key)))
-    for key in ("step_timeout_s", "heartbeat_s", "recovery_deadline_s"):
+    for key in ("step_timeout_s", "heartbeat_s", "recovery_deadline_s", "http_header_timeout_s",
+                "http_keepalive_timeout_s"):
         setattr(c, key, _convert(sc, "serving_config", key, float, getattr(c, key)))
     for key in ("warmup", "enable_prefix_caching", "overlap_steps"):
         setattr(c, key, _convert(sc, "serving_config", key, bool, getattr(c, key)))

@@ -103,13 +103,16 @@ def bind_http(cfg: ServingConfig) -> socket.socket:
     return sock
 
 
-def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any], procs: list) -> Callable[[int], AgentClient]:
+def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any],
+              procs: list) -> Callable[[int, bool], AgentClient]:
     """How the engine brings agent i back: respawn it when we started it, else wait for its
-    launcher (launch_agents restarts it) until the recovery deadline; then attach again."""
+    launcher (launch_agents restarts it) until the recovery deadline; then attach again. An agent
+    taken from us by `r` (`reattach`) is attached again as it is, model loaded: while another live
+    server holds it the attach fails (and is retried), it is never killed."""
     generation = itertools.count(1)
 
-    def restart(index: int) -> AgentClient:
-        if procs:
+    def restart(index: int, reattach: bool = False) -> AgentClient:
+        if procs and not (reattach and procs[index].is_alive()):
             respawn_agent(cfg, config_path, overrides, procs, index)
         return connect_agent(cfg, index, f"agent{index}r{next(generation)}", timeout_s=cfg.recovery_deadline_s,
                              wait_s=cfg.recovery_deadline_s)
@@ -156,12 +159,13 @@ def _reap(procs: list, stop: threading.Event) -> None:
             p.is_alive()  # waitpid(WNOHANG) on an exited child
 
 
-def _demo(url: str, model: str) -> None:
+def _demo(url: str, model: str, key: str | None) -> None:
     import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 32, "temperature": 0}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300).json()
     print(f"demo request -> {r['choices'][0]['message']['content']!r}", flush=True)
 
 
@@ -182,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files: each sampled row's raw "
                     "logits as .npy every --dump-every generated positions (tools/test_serving_performance.py)")
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
+    ap.add_argument("--api-key", action="append", metavar="KEY", help="require Authorization: Bearer KEY on every "
+                    "route but /health and /metrics (repeat or comma-separate for several; also LLM_SERVING_API_KEY)")
+    ap.add_argument("--metrics-auth", action="store_true", help="with API keys: /metrics needs a key too")
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     args = ap.parse_args(argv)
@@ -206,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # after the config is known to be valid
 
     from server.api import build_app
+    from server.api_keys import parse_keys
+    from server.http_guard import guarded_protocol
 
     try:
         http = bind_http(cfg)
@@ -214,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         return start_failed(str(exc), args.verbose)
     except Exception as exc:  # a bug or an unforeseen environment: still one line (--verbose: the traceback)
         return start_failed(f"{type(exc).__name__}: {exc}", args.verbose)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg, tok), host=cfg.server_ip, port=cfg.server_port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    keys = parse_keys(args.api_key, os.environ.get("LLM_SERVING_API_KEY"))
+    if keys:
+        log.info("API keys required (%d configured)", len(keys))
+    app = build_app(engine, cfg, tok, keys, metrics_open=not args.metrics_auth)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.server_ip, port=cfg.server_port, log_level="warning", timeout_graceful_shutdown=5,
+        http=guarded_protocol(cfg.http_header_timeout_s, cfg.max_header_bytes),
+        timeout_keep_alive=int(cfg.http_keepalive_timeout_s)))
     url = f"http://{cfg.server_ip}:{cfg.server_port}"
 
     def announce() -> None:
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             threading.Event().wait(0.05)
         print(f"llm-serving ready at {url} ({time.monotonic() - started:.1f}s)", flush=True)
         if args.demo:
-            _demo(url, cfg.model_name)
+            _demo(url, cfg.model_name, keys[0] if keys else None)
 
     threading.Thread(target=announce, daemon=True).start()
     reaped = threading.Event()

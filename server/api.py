@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
 from server import routes_openai, routes_ops, routes_original, routes_tgi
+from server.api_keys import ApiKeys
 from server.body_limit import BodyLimit
 from server.engine import Engine
 from server.frontend import ApiError, Frontend
@@ -20,10 +21,14 @@ from server.sampling_params import InvalidRequest
 from common.tokenizer import TextTokenizer
 
 
-def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer) -> FastAPI:
+def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: list[str] | None = None,
+              metrics_open: bool = True) -> FastAPI:
+    """`api_keys`: when given, every route but /health (and /metrics if `metrics_open`) needs one."""
     app = FastAPI(title="llm-serving")
     app.add_middleware(Http10Buffering)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    if api_keys:  # outermost: nothing else runs for a request without a key
+        app.add_middleware(ApiKeys, keys=api_keys, metrics_open=metrics_open)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:

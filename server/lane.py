@@ -55,6 +55,7 @@ class AgentLane:
         self.graph_compiles = 0  # graphs this lane's agent process has built, as it last said
         self.down_since = 0.0
         self.why = ""
+        self.reattach = False  # down because another client took the agent (`r`): attach again, never restart
 
     @property
     def live(self) -> bool:

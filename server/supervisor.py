@@ -18,7 +18,10 @@ from shm.transport import AgentClient
 
 log = logging.getLogger("llm_serving.supervisor")
 LAUNCHER_POLL_S = 0.5  # an orphaned lane looks this often for a new agent on its port
-Restart = Callable[[int], AgentClient]  # start (or wait for) agent i again and attach to it
+# Start (or wait for) agent i again and attach to it; with `reattach`, attach to the running agent as
+# it is (it was taken from us by `r`, not broken: restarting it would cost a model load, or kill the
+# agent of the server that took it).
+Restart = Callable[[int, bool], AgentClient]
 
 
 class Supervisor:
@@ -32,6 +35,7 @@ class Supervisor:
         log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
         plan, seqs = lane.go_down(why, time.monotonic(), kill)
+        lane.reattach = not kill
         if launcher is not None and self.restart is not None:  # launch_agents is gone: no agent will come back until it is started again
             lane.state = LaneState.ORPHANED
             lane.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
@@ -69,7 +73,7 @@ class Supervisor:
     def _attach_again(self, index: int) -> None:
         """In a helper thread: restart (or wait for) agent `index` and tell the engine thread."""
         try:
-            client, error = self.restart(index), None
+            client, error = self.restart(index, self.lanes[index].reattach), None
         except Exception as exc:  # reported to the engine thread, which retries or gives up
             client, error = None, f"{type(exc).__name__}: {exc}"
         self.inbox.put(("agent_back", (index, client, error)))

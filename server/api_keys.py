@@ -1,0 +1,47 @@
+"""HTTP API keys: with keys configured (`llm-serving --api-key`, or `LLM_SERVING_API_KEY`, several
+separated by commas), every request needs `Authorization: Bearer <key>` (what OpenAI clients send),
+else 401 JSON in its dialect's error shape. `/health` stays open for probes, and `/metrics` too
+unless `--metrics-auth`. Keys are compared in constant time and never logged."""
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Awaitable, Callable
+
+Message = dict[str, Any]
+OPEN_PATHS = ("/health",)
+
+
+def parse_keys(values: list[str] | None, env: str | None) -> list[str]:
+    """Keys from the flags (each may hold several, comma-separated) and the environment."""
+    raw = [*(values or []), *([env] if env else [])]
+    return [k.strip() for v in raw for k in v.split(",") if k.strip()]
+
+
+class ApiKeys:
+    def __init__(self, app: Any, keys: list[str], metrics_open: bool = True):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.open = OPEN_PATHS + (("/metrics",) if metrics_open else ())
+
+    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        ok = False
+        for key in self.keys:  # every key compared, in constant time: no timing tells which one nearly matched
+            ok |= hmac.compare_digest(token.strip(), key)
+        return scheme.lower() == b"bearer" and ok
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open or self.allowed(scope.get("headers", [])):
+            await self.app(scope, receive, send)
+            return
+        message = "missing or wrong API key: send Authorization: Bearer <key>"
+        body = ({"error": {"message": message, "type": "authentication_error", "code": 401}}
+                if scope["path"].startswith("/v1/") else {"error": message, "error_type": "authentication_error"})
+        raw = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": raw})
