@@ -18,6 +18,7 @@ import zmq
 from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
+from shm.curve import INSECURE_ENV, KeyFolder, exposure
 from shm.endpoint import PortInUse, PortLock, agent_address
 from shm.step import StepDims, check_decode, check_indices
 from shm.transport import load_step_frames
@@ -54,8 +55,11 @@ class AgentServer:
     death detaches it, `r` detaches whoever is attached. The agent itself runs until SIGTERM, until
     the process that launched it (`owner_pid`) is gone, or after a fatal step."""
 
-    def __init__(self, address: str, runner: Any, info: dict[str, Any], owner_pid: int | None = None):
+    def __init__(self, address: str, runner: Any, info: dict[str, Any], owner_pid: int | None = None,
+                 curve: KeyFolder | None = None):
+        """`curve`: keys for a tcp agent (shm/curve.py): only listed servers get through."""
         self.address, self.runner, self.info, self.owner_pid = address, runner, info, owner_pid
+        self.curve = curve
         self.arenas: list[Arena] = []  # the attached server's arena slots
         self.segment: Segment | None = None
         self.peer: bytes | None = None  # routing id of the attached server
@@ -170,8 +174,10 @@ class AgentServer:
             return P.error_reply(P.E_FAILED, f"{type(exc).__name__}: {exc}", mid)
 
     def serve(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        auth = self.curve.serve(ctx, sock) if self.curve is not None and self.address.startswith("tcp://") else None
         old = os.umask(0o077)  # an ipc socket file owner-only (0600): no other uid may connect and send `r`
         try:
             sock.bind(self.address)
@@ -192,6 +198,8 @@ class AgentServer:
         finally:
             self._detach()
             sock.close(0)
+            if auth is not None:
+                auth.stop()
 
 
 def _pin(index: int, n_agents: int, cores: list[list[int]]) -> None:
@@ -223,6 +231,13 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
 
     cfg = load_config(config_path, **overrides)
     port = cfg.agent_ports[index]
+    keys = KeyFolder.find(cfg.curve_keys)
+    refusal, warning = exposure(cfg.bind_host(index), keys, bool(os.environ.get(INSECURE_ENV)))
+    if refusal:
+        log.error("%s", refusal)
+        sys.exit(6)
+    if warning:
+        log.warning("%s", warning)
     try:  # before the model loads: a second agent on a busy port fails in a moment
         lock = PortLock(port)
     except PortInUse as exc:
@@ -301,7 +316,8 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
             "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index,
             "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
             "launcher_pid": owner_pid}  # a server attached to us sees whether anyone will restart us
-    server = AgentServer(agent_address(cfg.agent_ports[index], cfg.agent_ip), runner, info, owner_pid)
+    server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
+                         KeyFolder.find(cfg.curve_keys))
     server.serve()
     if server.failed:
         sys.exit(3)

@@ -46,6 +46,8 @@ class ServingConfig:
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
     agent_ip: str = "127.0.0.1"
+    agent_hosts: list[str] = field(default_factory=list)  # ours: one host per agent (else agent_ip for all)
+    agent_bind: str | None = None  # ours: where agents listen (launch_agents --bind), else their host
     start_device_id: int = 0
     server_ip: str = "127.0.0.1"
     server_port: int = 8835
@@ -67,6 +69,7 @@ class ServingConfig:
     overlap_steps: bool = True  # send step N+1 while step N runs (decodes fed by the agent's own samples)
     request_log: str | None = None  # a JSON-lines file: every request's life-cycle timestamps
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
+    curve_keys: str | None = None  # CURVE key folder for tcp agents (shm/curve.py)
     # pa_config
     num_blocks: int = 1024
     block_size: int = 16
@@ -76,6 +79,14 @@ class ServingConfig:
     compile_cache_dir: str = ".cache/mindspore"
     source: Path | None = None
     notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)
+
+    def agent_host(self, index: int) -> str:
+        """The address servers reach agent `index` at."""
+        return self.agent_hosts[index] if self.agent_hosts else self.agent_ip
+
+    def bind_host(self, index: int) -> str:
+        """The address agent `index` listens on."""
+        return self.agent_bind or self.agent_host(index)
 
     @property
     def token_budget(self) -> int:
@@ -150,7 +161,11 @@ class ServingConfig:
             items = value if isinstance(value, list) else [value]
             if not items or not all(ok(v) for v in items):
                 raise ConfigError(f"{key} = {value!r}: must be {allowed}")
-        if len(set(self.agent_ports)) != len(self.agent_ports):
+        if self.agent_hosts and len(self.agent_hosts) != len(self.agent_ports):
+            raise ConfigError(f"serving_config.agent_hosts = {self.agent_hosts}: one host per agent_ports entry "
+                              f"({len(self.agent_ports)})")
+        if len(set(zip(self.agent_hosts or [self.agent_ip] * len(self.agent_ports), self.agent_ports))) != len(
+                self.agent_ports):
             raise ConfigError(f"serving_config.agent_ports = {self.agent_ports}: each port once")
         if (self.num_blocks - 1) * self.block_size < self.max_model_len:
             raise ConfigError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
@@ -276,7 +291,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     # The original ignored model_config.batch_waiting_time; we honour both places.
     c.prefill_batch_waiting_time = _convert(sc, "serving_config", "prefill_batch_waiting_time", float,
                                             _convert(mc, "model_config", "batch_waiting_time", float, 0.0))
-    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log"):
+    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log", "curve_keys"):
         setattr(c, key, sc.get(key, getattr(c, key)))
     for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
                 "max_agent_restarts", "max_body_bytes", "max_header_bytes"):
@@ -288,6 +303,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
         setattr(c, key, _convert(sc, "serving_config", key, bool, getattr(c, key)))
     c.agent_ports = [int(p) for p in _convert(sc, "serving_config", "agent_ports", _ports, c.agent_ports)]
     c.agent_cores = [list(map(int, x)) for x in _convert(sc, "serving_config", "agent_cores", _cores, [])]
+    c.agent_hosts = [str(h) for h in sc.get("agent_hosts") or []]
     c.num_blocks = _convert(pa, "pa_config", "num_blocks", int, c.num_blocks)
     c.block_size = _convert(pa, "pa_config", "block_size", int, c.block_size)
     c.max_model_len = _convert(pa, "pa_config", "decode_seq_length", int, c.max_model_len)

@@ -24,7 +24,8 @@ from common.config import ConfigError, ServingConfig, load_config
 from common.procs import stopped
 from shm import protocol as P
 from shm.arena import clean_stale_segments
-from shm.endpoint import PortInUse, agent_address, clean_stale_endpoints, holder, is_local
+from shm.curve import INSECURE_ENV, CurveKeyError, KeyFolder, exposure
+from shm.endpoint import PortInUse, agent_address, clean_stale_endpoints, dial_host, holder, is_local
 
 log = logging.getLogger("llm_serving.launch")
 READY_TIMEOUT_S = 900.0  # model load + graph warm-up of one agent
@@ -41,6 +42,8 @@ def agent_env(args: argparse.Namespace) -> None:
     """Command-line switches the agents we spawn read from their environment."""
     if args.verbose:
         os.environ["LLM_SERVING_VERBOSE"] = "1"
+    if args.insecure:
+        os.environ[INSECURE_ENV] = "1"
     if args.dump_logits:
         os.environ[ENV_DIR] = str(Path(args.dump_logits).resolve())
         os.environ[ENV_EVERY] = str(args.dump_every)
@@ -53,11 +56,15 @@ def positive(text: str) -> int:
     return value
 
 
-def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = None) -> dict[str, Any]:
+def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = None,
+         curve: KeyFolder | None = None) -> dict[str, Any]:
     """Heartbeat an agent; fails early if its process dies or stays stopped meanwhile (a slow model
-    load is indistinguishable from a hang by time alone, so loading gets the long timeout)."""
+    load is indistinguishable from a hang by time alone, so loading gets the long timeout). A tcp
+    agent with CURVE keys is pinged with its own key (the launcher runs on the agent's host)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None and address.startswith("tcp://"):
+        curve.client(sock, as_agent=True)
     sock.connect(address)
     try:
         sock.send_multipart(P.encode(P.HEARTBEAT, {"id": 1}))
@@ -95,16 +102,27 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
                  ready_timeout_s: float = READY_TIMEOUT_S) -> list[mp.process.BaseProcess]:
     """Spawn every agent and wait until each answers a heartbeat. Refuses at once a port that a
     live agent holds (the agent would refuse too, but only after its interpreter started)."""
-    if is_local(cfg.agent_ip):
-        clean_stale_endpoints()
-        for port in cfg.agent_ports:
+    try:
+        keys = KeyFolder.find(cfg.curve_keys)
+        if keys is not None and not all(is_local(cfg.bind_host(i)) for i in range(len(cfg.agent_ports))):
+            keys.pair("agent")  # the agents' keypair is here: fail now, not in each agent
+    except CurveKeyError as exc:
+        raise AgentStartError(str(exc)) from None
+    for i, port in enumerate(cfg.agent_ports):
+        refusal, warning = exposure(cfg.bind_host(i), keys, bool(os.environ.get(INSECURE_ENV)))
+        if refusal:
+            raise AgentStartError(refusal)
+        if warning:
+            log.warning("%s", warning)
+        if is_local(cfg.bind_host(i)):
+            clean_stale_endpoints()
             pid = holder(port)
             if pid is not None:
                 raise AgentStartError(str(PortInUse(port, pid)))
     procs = [spawn_agent(config_path, i, overrides) for i in range(len(cfg.agent_ports))]
     try:
         for i, proc in enumerate(procs):
-            ping(agent_address(cfg.agent_ports[i], cfg.agent_ip), ready_timeout_s, proc)
+            ping(agent_address(cfg.agent_ports[i], dial_host(cfg.bind_host(i))), ready_timeout_s, proc, keys)
             log.info("agent %d ready (pid %d, port %d)", i, proc.pid, cfg.agent_ports[i])
     except BaseException:
         stop_agents(procs)
@@ -121,7 +139,8 @@ def respawn_agent(cfg: ServingConfig, config_path: str | None, overrides: dict[s
     old.join(5.0)
     clean_stale_endpoints()  # a killed agent leaves its socket and lock files behind
     procs[index] = spawn_agent(config_path, index, overrides)
-    ping(agent_address(cfg.agent_ports[index], cfg.agent_ip), READY_TIMEOUT_S, procs[index])
+    ping(agent_address(cfg.agent_ports[index], dial_host(cfg.bind_host(index))), READY_TIMEOUT_S, procs[index],
+         KeyFolder.find(cfg.curve_keys))
     log.info("agent %d restarted (pid %d)", index, procs[index].pid)
 
 
@@ -146,11 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"], help="model_config.model_dtype")
     ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files (as llm-serving's)")
+    ap.add_argument("--bind", metavar="ADDR", help="where the agents listen (e.g. 0.0.0.0 in a pod), instead of "
+                    "agent_ip; remote binds need CURVE keys or --insecure")
+    ap.add_argument("--insecure", action="store_true", help="let agents listen on plain tcp beyond loopback "
+                    "without CURVE keys (warned about at every start)")
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
     args = ap.parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {"model_dtype": args.model_dtype} if args.model_dtype else {}  # agents reload the config with them
+    # agents reload the config with these
+    overrides = {k: v for k, v in (("model_dtype", args.model_dtype), ("agent_bind", args.bind)) if v}
     try:
         cfg = load_config(args.config, **overrides)
     except ConfigError as exc:

@@ -19,7 +19,8 @@ from server.engine import Engine
 from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
 from shm.arena import ArenaSpec, clean_stale_segments
-from shm.endpoint import agent_address, clean_stale_endpoints, holder, is_local
+from shm.curve import CurveKeyError, KeyFolder
+from shm.endpoint import agent_address, clean_stale_endpoints, holder, is_local, lws_agents, parse_agents
 from shm.transport import AgentClient, AgentDead, AgentError
 
 log = logging.getLogger("llm_serving")
@@ -48,8 +49,10 @@ def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 6
     """Attach to agent `index` (waiting while it loads); `reset` first detaches any other server;
     `wait_s`: how long a local agent may take to appear (its launcher restarting it)."""
     port = cfg.agent_ports[index]
-    pid = _agent_pid(port, wait_s) if is_local(cfg.agent_ip) else None
-    client = AgentClient(agent_address(port, cfg.agent_ip), arena_spec(cfg), tag=tag, pid=pid)
+    host = cfg.agent_host(index)
+    pid = _agent_pid(port, wait_s) if is_local(host) else None
+    client = AgentClient(agent_address(port, host), arena_spec(cfg), tag=tag, pid=pid,
+                         curve=KeyFolder.find(cfg.curve_keys))
     try:
         if reset:
             client.call(P.RESET, timeout_s=timeout_s)
@@ -120,7 +123,7 @@ def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any],
     return restart
 
 
-START_ERRORS = (AgentStartError, AttachError, TimeoutError, OSError, ValueError)
+START_ERRORS = (AgentStartError, AttachError, CurveKeyError, TimeoutError, OSError, ValueError)
 
 
 def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any], attach: bool = False,
@@ -180,12 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", dest="server_ip")
     ap.add_argument("--port", dest="server_port", type=int)
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
+    ap.add_argument("--agents", metavar="HOST:PORT,...", help="the agents to attach to (implies --attach; "
+                    "else from a LeaderWorkerSet's LWS_* variables, else serving_config.agent_ports)")
     ap.add_argument("--reset-agents", action="store_true",
                     help="with --attach: take over agents that another (stuck) server still holds (sends r)")
     ap.add_argument("--demo", action="store_true", help="send one chat request once ready and print the answer")
     ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files: each sampled row's raw "
                     "logits as .npy every --dump-every generated positions (tools/test_serving_performance.py)")
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
+    ap.add_argument("--insecure", action="store_true", help="let agents we start listen on plain tcp beyond "
+                    "loopback without CURVE keys (warned about at every start)")
     ap.add_argument("--api-key", action="append", metavar="KEY", help="require Authorization: Bearer KEY on every "
                     "route but /health and /metrics (repeat or comma-separate for several; also LLM_SERVING_API_KEY)")
     ap.add_argument("--metrics-auth", action="store_true", help="with API keys: /metrics needs a key too")
@@ -199,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         cfg = load_config(args.config, **overrides)
-    except ConfigError as exc:
+        agents = parse_agents(args.agents) if args.agents else lws_agents(dict(os.environ), cfg.agent_ports[0])
+        if agents:  # the orchestrator's addresses: agents started elsewhere (launch_agents there)
+            hosts, ports = [h for h, _ in agents], [p for _, p in agents]
+            overrides.update(agent_hosts=hosts, agent_ports=ports)
+            cfg = load_config(args.config, **overrides)
+            args.attach = True
+            log.info("agents: %s", ", ".join(f"{h}:{p}" for h, p in agents))
+    except (ConfigError, ValueError) as exc:
         return start_failed(f"config: {exc}", args.verbose)
     for line in cfg.notices:
         log.warning("config: %s", line)

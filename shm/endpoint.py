@@ -43,6 +43,36 @@ def agent_address(port: int, ip: str | None = "127.0.0.1") -> str:
     return f"ipc://{socket_path(port)}" if is_local(ip) else f"tcp://{ip}:{port}"
 
 
+def dial_host(bind: str) -> str:
+    """Where a process on the agent's own host reaches an agent listening on `bind` (a wildcard
+    bind is reached through loopback)."""
+    return {"0.0.0.0": "127.0.0.2", "::": "::1", "*": "127.0.0.2"}.get(bind, bind)
+
+
+def parse_agents(spec: str) -> list[tuple[str, int]]:
+    """`host:port,host:port,...` (IPv6 as [addr]:port) -> [(host, port)]; ValueError naming the bad entry."""
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--agents entry {item!r}: expected host:port")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ValueError("--agents: no host:port given")
+    return out
+
+
+def lws_agents(env: dict[str, str], port: int) -> list[tuple[str, int]] | None:
+    """The agents of a LeaderWorkerSet group as its leader (the server) finds them: workers 1 ..
+    LWS_GROUP_SIZE-1, whose hostnames are the leader's with `-<index>` (`lws-0.lws.ns` ->
+    `lws-0-1.lws.ns`), each running launch_agents on `port`. None outside LWS or off the leader."""
+    leader, size = env.get("LWS_LEADER_ADDRESS"), env.get("LWS_GROUP_SIZE")
+    if not leader or not size or env.get("LWS_WORKER_INDEX", "0") != "0":
+        return None
+    first, dot, rest = leader.partition(".")
+    return [(f"{first}-{i}{dot}{rest}", port) for i in range(1, int(size))]
+
+
 def _lock(path: Path) -> int | None:
     """An fd holding the exclusive lock of `path` (created if missing), or None if another process
     holds it. Re-checks the inode: a holder that unlinked the file on exit must not leave us a lock

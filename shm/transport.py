@@ -18,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment, segment_name
+from shm.curve import KeyFolder
 from shm.step import StepDims
 
 POLL_MS = 100
@@ -43,9 +44,10 @@ class AgentDead(RuntimeError):
 class AgentClient:
     """Server-side handle of one agent. Not thread-safe: one engine thread owns it."""
 
-    def __init__(self, address: str, spec: ArenaSpec, tag: str, pid: int | None = None):
+    def __init__(self, address: str, spec: ArenaSpec, tag: str, pid: int | None = None,
+                 curve: KeyFolder | None = None):
         """`pid`: the local agent's process if known before the handshake (its port lock's holder),
-        so a wait for an agent that dies while loading ends at once."""
+        so a wait for an agent that dies while loading ends at once. `curve`: keys for a tcp agent."""
         self.address, self.spec = address, spec
         self.local = address.startswith("ipc://")
         self.ctx = zmq.Context.instance()
@@ -53,6 +55,8 @@ class AgentClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         # A fixed routing id: the agent binds its attachment to it, and it survives tcp reconnects.
         self.sock.setsockopt(zmq.ROUTING_ID, f"{os.getpid()}-{tag}".encode())
+        if curve is not None and not self.local:
+            curve.client(self.sock)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.sock.connect(address)
         self.segment: Segment | None = None

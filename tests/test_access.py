@@ -207,3 +207,107 @@ def test_an_agent_taken_by_r_is_attached_again_not_reloaded(server):
         time.sleep(0.3)
     assert r.json()["generated_text"] == want
     assert server.agent_pids() == [agent]  # the same process: no model reload
+
+
+def test_curve_agents_serve_their_server_and_ignore_anyone_else(tmp_path, tiny_model_dir):
+    """Agents on tcp (127.0.0.2) with CURVE keys: the server holding the listed key serves; a client
+    with no key, or with a key the agent does not list, gets no reply to `r`, and the attached server
+    goes on untouched."""
+    from tests.test_agent_lifecycle import Launcher
+    from tools.curve_keys import make
+
+    keys = tmp_path / "keys"
+    make(keys)
+    stranger = tmp_path / "stranger"
+    make(stranger)  # a complete, valid keypair set: just not this agent's
+    config = tiny_config(tmp_path, tiny_model_dir, agent_ip="127.0.0.2", curve_keys=str(keys))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    launcher = Launcher(config, env)
+    srv = ServerProcess(config, "--attach", env=env)
+    try:
+        body = {"inputs": "secret", "parameters": {"max_new_tokens": 5, "ignore_eos": True}}
+        want = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()["generated_text"]
+        port = srv.config["serving_config"]["agent_ports"][0]
+        for folder in (None, stranger):
+            s = zmq.Context.instance().socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            if folder is not None:
+                from shm.curve import KeyFolder
+                pub, sec = KeyFolder(folder).pair("server")
+                s.curve_publickey, s.curve_secretkey = pub, sec
+                s.curve_serverkey = KeyFolder(keys).public("agent")  # even knowing the agent's public key
+            s.connect(f"tcp://127.0.0.2:{port}")
+            s.send_multipart(P.encode(P.RESET, {"id": 1}))
+            assert not s.poll(2000), folder
+            s.close()
+        assert httpx.get(f"{srv.url}/health", timeout=10).json()["status"] == "ok"
+        assert httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()["generated_text"] == want
+        assert "llm_serving_agent_restarts_total 0.0" in httpx.get(f"{srv.url}/metrics", timeout=10).text
+    finally:
+        srv.stop()
+        launcher.proc.terminate()
+        launcher.proc.wait(30)
+
+
+def test_plain_tcp_beyond_loopback_is_refused_without_insecure(tmp_path, tiny_model_dir):
+    """Nothing is sent anywhere: the start stops before an agent binds 0.0.0.0."""
+    import subprocess
+    import sys
+
+    from shm.curve import exposure
+    from tests.helpers import ROOT
+
+    config = tiny_config(tmp_path, tiny_model_dir, agent_ip="0.0.0.0")
+    for module in ("llm_serving.launch", "llm_serving.serve"):
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", module, "--config", str(config)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 1 and "not a loopback address" in out.stderr and "--insecure" in out.stderr
+        assert time.monotonic() - t0 < 30
+    assert exposure("0.0.0.0", None, insecure=True)[1].endswith("serving anyway (--insecure)")
+    assert exposure("127.0.0.2", None, insecure=False) == (None, None)
+    assert exposure("::1", None, insecure=False) == (None, None)
+
+
+def test_agent_addresses_from_the_orchestrator(tmp_path, tiny_model_dir):
+    """`--agents host:port` (what a Kubernetes Service or LeaderWorkerSet hands over) overrides the
+    YAML's ports and attaches; LWS variables name the group's workers; `launch_agents --bind` beyond
+    loopback needs keys."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from shm.endpoint import lws_agents, parse_agents
+    from tests.helpers import ROOT, free_port
+    from tests.test_agent_lifecycle import Launcher
+
+    assert lws_agents({"LWS_LEADER_ADDRESS": "llm-0.llm.default", "LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": "0"},
+                      61166) == [("llm-0-1.llm.default", 61166), ("llm-0-2.llm.default", 61166)]
+    assert lws_agents({"LWS_LEADER_ADDRESS": "llm-0.llm", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}, 1) is None
+    assert parse_agents("10.0.0.5:61166, [::1]:7") == [("10.0.0.5", 61166), ("::1", 7)]
+    with pytest.raises(ValueError, match="expected host:port"):
+        parse_agents("nohost")
+
+    config = tiny_config(tmp_path, tiny_model_dir, agent_ip="127.0.0.2")
+    launcher = Launcher(config, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = yaml.safe_load(config.read_text())["serving_config"]["agent_ports"][0]
+        other = yaml.safe_load(config.read_text())
+        other["serving_config"].update(agent_ports=[free_port()], agent_ip="127.0.0.1", server_port=free_port())
+        elsewhere = tmp_path / "elsewhere.yaml"
+        elsewhere.write_text(yaml.safe_dump(other))
+        srv = ServerProcess(elsewhere, "--agents", f"127.0.0.2:{port}")
+        try:
+            r = httpx.post(f"{srv.url}/generate", json={"inputs": "where", "parameters": {"max_new_tokens": 3}},
+                           timeout=60)
+            assert r.status_code == 200 and "agents: 127.0.0.2:" in srv.log.read_text()
+        finally:
+            srv.stop()
+        assert launcher.proc.poll() is None  # attached, not started: the agent stays with its launcher
+    finally:
+        launcher.proc.terminate()
+        launcher.proc.wait(30)
+    out = subprocess.run([sys.executable, "-m", "llm_serving.launch", "--config", str(config), "--bind", "0.0.0.0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "agent_ip 0.0.0.0 is not a loopback address" in out.stderr

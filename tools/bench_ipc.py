@@ -4,13 +4,17 @@ step time, as a ratio in one run.
 Measures: heartbeat round trip; an empty `a` step (the full step path with no rows); writing a
 64-row decode step into the arena; a real batch-32 decode step of the default model.
 
-    python tools/bench_ipc.py [--config configs/smollm2.yaml] [--n 200]
+    python tools/bench_ipc.py [--config configs/smollm2.yaml] [--n 200] [--transport ipc|tcp|curve]
+
+`--transport tcp` runs the agent on tcp 127.0.0.2 (tensors as frames), `curve` the same with CURVE
+keys (authentication and encryption, shm/curve.py).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from llm_serving.serve import connect_agents  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
 from shm.step import RowInput, StepDims  # noqa: E402
 from shm import protocol as P  # noqa: E402
+from tools.curve_keys import make  # noqa: E402
 
 
 def median_us(fn, n: int) -> float:
@@ -40,9 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/smollm2.yaml")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--transport", choices=["ipc", "tcp", "curve"], default="ipc")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, warmup=False)
-    procs = start_agents(cfg, args.config, {"warmup": False})
+    overrides: dict = {"warmup": False}
+    if args.transport != "ipc":
+        overrides["agent_ip"] = "127.0.0.2"
+    if args.transport == "curve":
+        keys = Path(tempfile.mkdtemp(prefix="llm-serving-curve-"))
+        make(keys)
+        overrides["curve_keys"] = str(keys)
+    cfg = load_config(args.config, **overrides)
+    procs = start_agents(cfg, args.config, overrides)
     [client] = connect_agents(cfg)
     try:
         bs, width = cfg.block_size, 8
@@ -72,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             models.append(body["model_s"])
         decode_us = statistics.median(walls) * 1e6
         ipc = empty + write64
+        print(f"transport: {args.transport}")
         print(f"heartbeat round trip           {heartbeat:10.1f} us")
         print(f"empty 'a' step round trip      {empty:10.1f} us")
         print(f"write 64-row decode step       {write64:10.1f} us")
