@@ -96,16 +96,21 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _rss_mib(pid: int) -> float:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
 def test_idle_and_slow_header_sockets_are_closed_and_service_holds(server):
     pid = server.proc.pid
     httpx.get(f"{server.url}/health", timeout=10)
-    base = _fds(pid)
+    base, rss = _fds(pid), _rss_mib(pid)
     t0 = time.monotonic()
     r = httpx.post(f"{server.url}/generate", json=ROUTES[0][1], headers=_auth(), timeout=60)
     quiet = time.monotonic() - t0
     host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
-    idle = [socket.create_connection((host, port)) for _ in range(400)]
-    slow = [socket.create_connection((host, port)) for _ in range(40)]
+    idle = [socket.create_connection((host, port)) for _ in range(2000)]
+    slow = [socket.create_connection((host, port)) for _ in range(200)]
     for s in slow:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
     busy_t = []
@@ -125,6 +130,7 @@ def test_idle_and_slow_header_sockets_are_closed_and_service_holds(server):
     assert min(busy_t) < max(0.5, 2 * quiet), (quiet, busy_t)
     time.sleep(0.5)
     assert _fds(pid) <= base + 2, (base, _fds(pid))
+    assert _rss_mib(pid) < rss + 64, (rss, _rss_mib(pid))
 
 
 def test_oversized_headers_are_refused_at_once(server):
@@ -146,14 +152,21 @@ def test_oversized_headers_are_refused_at_once(server):
     assert reply == b"" or reply.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), reply[:100]
 
 
-def _as_nobody_reset(address: str) -> bytes:
-    """In a forked child running as uid `nobody`: connect to the agent and send `r`; b"reply" or b"none"."""
+def _as_nobody_reset(address: str, segments: list[Path]) -> bytes:
+    """In a forked child running as uid `nobody`: open the arena segments (b"opened" if any opens),
+    then connect to the agent and send `r`; b"reply" or b"none"."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: drop to nobody, then try
         try:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
+            for seg in segments:
+                try:
+                    os.close(os.open(seg, os.O_RDWR))
+                    os.write(write, b"opened")
+                except PermissionError:
+                    pass
             s = zmq.Context().socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(address)
@@ -177,7 +190,7 @@ def test_agent_endpoints_are_owner_only_and_another_uid_cannot_take_the_agent(se
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
     segments = [Path("/dev/shm") / s for s in our_segments() if int(s.split("-")[1]) == server.proc.pid]
     assert segments and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in segments)
-    assert _as_nobody_reset(address) == b"none"
+    assert _as_nobody_reset(address, segments) == b"none"
     before = server.agent_pids()
     r = httpx.post(f"{server.url}/generate", json=ROUTES[0][1], headers=_auth(), timeout=60)
     assert r.status_code == 200 and server.agent_pids() == before
