@@ -18,6 +18,7 @@ import zmq
 from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
+from common.cpu import describe
 from shm.curve import INSECURE_ENV, KeyFolder, exposure
 from shm.endpoint import PortInUse, PortLock, agent_address
 from shm.step import StepDims, check_decode, check_indices
@@ -308,6 +309,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s)", runner.model.weight_bytes / 2**20, cfg.model_dtype,
              f", int8 scale per {cfg.quant_group_size or 'row and token'}" if int8 else "")
+    log.info("CPU: %s; kernels: %s", describe(), runner.kernel_paths)
     if cfg.warmup:
         runner.warmup()
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
@@ -315,7 +317,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
             "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index,
             "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
-            "launcher_pid": owner_pid}  # a server attached to us sees whether anyone will restart us
+            "launcher_pid": owner_pid, "kernels": runner.kernel_paths}  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))
     server.serve()

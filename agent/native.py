@@ -10,6 +10,7 @@ model keeps the pure-MindSpore path (same results).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
@@ -92,6 +93,17 @@ def library() -> str | None:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return str(out)
+
+
+def kernel_paths(lib: str | None, int8: bool) -> str:
+    """What the projections run on: oneDNN's sgemm for fp32, or the int8 path this build compiled."""
+    if lib is None:
+        return "plain MindSpore ops (native kernels off)"
+    if not int8:
+        return "fp32: oneDNN sgemm"
+    fn = ctypes.CDLL(lib).Int8KernelPath
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def custom_ops(lib: str, q_size: int, kv: int, hd: int) -> dict[str, Any]:

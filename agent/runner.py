@@ -125,6 +125,7 @@ class ModelRunner:
         lib = native.library() if rc.native_kernels else None
         self.native_kernels = lib is not None
         int8 = rc.model_dtype == "int8"
+        self.kernel_paths = native.kernel_paths(lib, int8)
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
         self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib,
                                 int8=int8, ranges=ranges, int8_group=rc.int8_group)

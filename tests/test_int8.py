@@ -179,3 +179,52 @@ def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model
                       model_dtype="int8", int8_group=64)
     runner = ModelRunner(cfg, weights, rc, calibration=load_tokenizer(files).encode(CALIBRATION_TEXT))
     assert served == greedy(runner, [prompt], 6)[0]
+
+
+# Every int8 code path, each built for its instruction set and run here when this CPU has it: the
+# path the agent's -march=native build takes is only one of them.
+PATHS = [("haswell", {"avx2", "fma"}, "AVX2 vpmaddubsw"), ("alderlake", {"avx_vnni"}, "AVX-VNNI"),
+         ("icelake-server", {"avx512_vnni", "avx512bw", "avx512vl"}, "AVX512-VNNI")]
+
+
+def _call(lib, fn: str, arrays: list[np.ndarray]) -> int:
+    import ctypes as C
+
+    n = len(arrays)
+    shapes = [(C.c_int64 * max(1, a.ndim))(*a.shape) for a in arrays]
+    return getattr(lib, fn)(n, (C.c_void_p * n)(*[a.ctypes.data for a in arrays]), (C.c_int * n)(*[a.ndim for a in arrays]),
+                            (C.POINTER(C.c_int64) * n)(*[C.cast(s, C.POINTER(C.c_int64)) for s in shapes]),
+                            (C.c_char_p * n)(*[str(a.dtype).encode() for a in arrays]), None, None)
+
+
+@pytest.mark.parametrize("march, needs, name", PATHS, ids=[p[2] for p in PATHS])
+def test_every_int8_path_this_cpu_has_sums_exactly(march, needs, name, tmp_path):
+    import ctypes
+    import subprocess
+
+    from agent.native import FLAGS, KERNEL_DIR
+    from common.cpu import cpu_flags
+
+    missing = needs - cpu_flags()
+    if missing:
+        pytest.skip(f"the {name} int8 path cannot run on this CPU (no {' '.join(sorted(missing))})")
+    lib_path = tmp_path / f"int8-{march}.so"
+    flags = [f for f in FLAGS if not f.startswith("-march")]
+    subprocess.run(["g++", *flags, f"-march={march}", "-o", str(lib_path), str(KERNEL_DIR / "linear_int8.cpp")],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.Int8KernelPath.restype = ctypes.c_char_p
+    assert name in lib.Int8KernelPath().decode()
+    for m, k, n, group in CASES + [(64, 576, 96, 64), (9, 1536, 40, 64)]:  # decode, packed and 4+ token steps
+        rng = np.random.default_rng(m * k + n)
+        rows = quantize(rng.standard_normal((n, k)).astype(np.float32), group)
+        g = rows.group
+        x = rng.integers(-127, 128, (m, k)).astype(np.float32)
+        x[:, ::g] = 127 * rng.choice([-1, 1], (m, len(range(0, k, g))))
+        y = np.zeros((m, n), np.float32)
+        assert _call(lib, "LinearInt8", [x, rows.q, rows.scale, np.ones(k, np.float32), y]) == 0
+        xi = np.zeros((m, rows.q.shape[1]), np.int64)
+        xi[:, :k] = x
+        dots = np.einsum("mgk,ngk->mng", xi.reshape(m, -1, g), rows.natural().astype(np.int64).reshape(n, -1, g))
+        want = (dots * rows.scale[None].astype(np.float64)).sum(-1)
+        np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-6 * np.abs(want).max(), err_msg=f"{m},{k},{n},{group}")

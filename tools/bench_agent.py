@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from common.cpu import describe  # noqa: E402
+
 
 class NumpyLlama:
     """Eager fp32 NumPy forward with a dense per-sequence KV cache: the baseline."""
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         v = arena.step(arena.write_step(rows, bs))
         return lambda: runner.step(v, [])
 
+    print(f"CPU: {describe()}")
+    for v in runners:
+        print(f"{v}: {runners[v].kernel_paths}")
     print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
           f"decode context {args.context}, prefill chunk {args.prefill}")
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,16 +25,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.cpu import describe  # noqa: E402
 from tools.bench_serving import random_dataset, run_benchmark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    return platform.processor()
 
 
 def start_server(config: str, extra: list[str], log: Path) -> subprocess.Popen:
@@ -118,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     rows = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     print(f"\noverlap A/B, {model} {args.dtype or 'float32'}, {args.input_len}-word prompts, {args.output_len} tokens "
-          f"each, server starts {args.modes}, medians of {args.repeats} run(s) per start; CPU: {cpu_name()}")
+          f"each, server starts {args.modes}, medians of {args.repeats} run(s) per start; CPU: {describe()}")
     print("| B | overlap | TPOT ms | output tok/s | step ms | model ms | outside model | of it gaps |")
     print("|---|---|---|---|---|---|---|---|")
     for b in batches:

@@ -170,6 +170,5 @@ for m in $MODELS; do
     esac
   done
 done
-{ echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores;" \
-       "$(if grep -qw avx512f /proc/cpuinfo; then echo AVX-512; elif grep -qw avx2 /proc/cpuinfo; then echo 'AVX2, no AVX-512'; else echo 'no AVX2'; fi)"; echo
+{ echo "CPU: $("$PY" -c 'from common.cpu import describe; print(describe())')"; echo
   "$PY" tools/peer_table.py "$OUT"; } | tee "$OUT/table.md"

@@ -340,3 +340,16 @@ extern "C" int SwiGluLinearInt8(int nparam, void **params, int *ndims, int64_t *
        });
   return 0;
 }
+
+// Which int8 path this build runs (the agent logs it and reports it; benchmarks print it).
+extern "C" const char *Int8KernelPath() {
+#if OFFSET && defined(__AVX512VNNI__)
+  return "int8: AVX512-VNNI vpdpbusd (256-bit), unsigned activations + exact compensation from 4 tokens";
+#elif OFFSET
+  return "int8: AVX-VNNI vpdpbusd (256-bit), unsigned activations + exact compensation from 4 tokens";
+#elif defined(__AVX2__)
+  return "int8: AVX2 vpmaddubsw + vpmaddwd (no VNNI: large steps run at about fp32 speed)";
+#else
+  return "int8: scalar (no AVX2)";
+#endif
+}

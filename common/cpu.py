@@ -1,0 +1,32 @@
+"""The CPU as benchmarks name it: model, cores, and the instruction sets the kernels can use."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+# What decides the kernel paths (agent/kernels): vector width, int8 dot products, bf16, AMX.
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx_vnni", "avx512_vnni", "avx512_bf16",
+         "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def describe() -> str:
+    """e.g. "AMD EPYC (2 cores; avx2 fma avx512f ... avx512_vnni avx512_bf16; no amx_tile amx_int8 amx_bf16)"."""
+    name = platform.processor() or "unknown CPU"
+    try:
+        name = next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    have = cpu_flags()
+    yes, no = [f for f in FLAGS if f in have], [f for f in FLAGS if f not in have]
+    return f"{name} ({os.cpu_count()} cores; {' '.join(yes) or 'none of ' + ' '.join(FLAGS)}" + (
+        f"; no {' '.join(no)})" if no else ")")
