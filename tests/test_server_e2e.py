@@ -378,9 +378,14 @@ def test_queue_bound_gives_503_with_retry_after(tmp_path, tiny_model_dir):
         codes: list[int] = []
         bodies: list[httpx.Response] = []
 
+        start = threading.Barrier(12)
+
         def one() -> None:
-            r = httpx.post(f"{srv.url}/generate", json={"inputs": "abcdefgh", "parameters": {
-                "max_new_tokens": 24, "ignore_eos": True}}, timeout=120)
+            with httpx.Client(timeout=120) as client:  # connected first: the 12 posts leave together
+                client.get(f"{srv.url}/health")
+                start.wait()
+                r = client.post(f"{srv.url}/generate", json={"inputs": "abcdefgh", "parameters": {
+                    "max_new_tokens": 24, "ignore_eos": True}})
             codes.append(r.status_code)
             bodies.append(r)
 
