@@ -284,7 +284,9 @@ def _quiet_console(port: int) -> Path | None:
 
 def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
-    os.environ.setdefault("DEVICE_ID", str(cfg.start_device_id + index))
+    device_id = cfg.start_device_id + index
+    os.environ["LLM_SERVING_DEVICE"] = cfg.device  # read by the native kernels' switch too
+    os.environ["DEVICE_ID"] = str(device_id)
     from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
     from agent.calibrate import CALIBRATION_TEXT
     from agent.weights import load_model
@@ -303,7 +305,9 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
                       mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows,
                       model_dtype=cfg.model_dtype, int8_group=cfg.quant_group_size)
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
-    setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=compile_cache_key(model_cfg, rc))
+    device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
+                                        key=compile_cache_key(model_cfg, rc), device_id=device_id)
+    log.info("device %s:%d (as MindSpore reports it)", device, device_id)
     calibration = load_tokenizer(files, cfg.tokenizer_path).encode(CALIBRATION_TEXT) if int8 else None
     runner = ModelRunner(model_cfg, weights, rc, seed=index, calibration=calibration)
     del weights
@@ -315,7 +319,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
     info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
-            "device": os.environ.get("LLM_SERVING_DEVICE", "CPU"), "device_id": cfg.start_device_id + index,
+            "device": device, "device_id": device_id,
             "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
             "launcher_pid": owner_pid, "kernels": runner.kernel_paths}  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,

@@ -82,10 +82,11 @@ def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
     return f"{model_cfg}|{rc.model_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
 
 
-def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
-    """Graph mode on the chosen device, with the on-disk compile cache in a folder keyed by our
-    model source and `key` (compile_cache_key): MindSpore's own staleness check missed source
-    changes and replayed a graph of the old code."""
+def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
+    """Graph mode on the chosen device (LLM_SERVING_DEVICE, from serving_config.device) and
+    `device_id`, with the on-disk compile cache in a folder keyed by our model source and `key`
+    (compile_cache_key): MindSpore's own staleness check missed source changes and replayed a graph
+    of the old code. Returns the device target and id MindSpore then reports."""
     import mindspore as ms
 
     if cache_dir:
@@ -95,7 +96,7 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
         os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
     ms.set_context(mode=ms.GRAPH_MODE)
     device = os.environ.get("LLM_SERVING_DEVICE", "CPU")
-    ms.set_device(device)
+    ms.set_device(device, device_id)
     if device == "CPU":
         # MindSpore's CPU kernels default to 25 threads whatever the machine: on our few pinned
         # cores they preempt each other. One per core we may run on.
@@ -104,6 +105,7 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "") -> None:
             ms.device_context.cpu.op_tuning.threads_num(threads)
         except RuntimeError:  # set once per process; a later runner in the same process keeps it
             pass
+    return str(ms.get_context("device_target")), int(ms.get_context("device_id"))
 
 
 def freeze_compile_cache() -> None:

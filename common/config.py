@@ -4,6 +4,7 @@ Pure Python (no mindspore): both the server and the agents read it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,7 @@ class ServingConfig:
     agent_hosts: list[str] = field(default_factory=list)  # ours: one host per agent (else agent_ip for all)
     agent_bind: str | None = None  # ours: where agents listen (launch_agents --bind), else their host
     start_device_id: int = 0
+    device: str = "CPU"  # ours: CPU, Ascend or GPU; agent i runs on device start_device_id + i
     server_ip: str = "127.0.0.1"
     server_port: int = 8835
     prefill_batch_waiting_time: float = 0.0  # an idle agent holds a lone prompt this long for companions
@@ -195,6 +197,7 @@ RANGES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("agent_ports", "serving_config.agent_ports", _port, "a non-empty list of ports in [1, 65535]"),
     ("server_port", "serving_config.server_port", _port, "a port in [1, 65535]"),
     ("start_device_id", "serving_config.start_device_id", lambda v: v >= 0, ">= 0"),
+    ("device", "serving_config.device", lambda v: v in ("CPU", "Ascend", "GPU"), "one of CPU, Ascend, GPU"),
     ("prefill_batch_waiting_time", "serving_config.prefill_batch_waiting_time", lambda v: 0 <= v <= 10,
      "in [0, 10] seconds"),
     ("max_queue", "serving_config.max_queue", lambda v: v >= 1, ">= 1 (0 would refuse every request)"),
@@ -291,7 +294,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     # The original ignored model_config.batch_waiting_time; we honour both places.
     c.prefill_batch_waiting_time = _convert(sc, "serving_config", "prefill_batch_waiting_time", float,
                                             _convert(mc, "model_config", "batch_waiting_time", float, 0.0))
-    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log", "curve_keys"):
+    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log", "curve_keys",
+                "device"):
         setattr(c, key, sc.get(key, getattr(c, key)))
     for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
                 "max_agent_restarts", "max_body_bytes", "max_header_bytes"):
@@ -308,6 +312,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.block_size = _convert(pa, "pa_config", "block_size", int, c.block_size)
     c.max_model_len = _convert(pa, "pa_config", "decode_seq_length", int, c.max_model_len)
     c.tokenizer_path = tk.get("vocab_file") or tk.get("path")
+    c.device = os.environ.get("LLM_SERVING_DEVICE") or c.device
     for key, value in overrides.items():
         if value is not None:
             setattr(c, key, value)

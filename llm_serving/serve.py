@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", dest="model_path", help="smollm2, a .gguf file, a HF folder or a .ckpt")
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"],
                     help="model_config.model_dtype: int8 runs projections and LM head as W8A8")
+    ap.add_argument("--device", choices=["CPU", "Ascend", "GPU"], help="serving_config.device: where the agents "
+                    "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
                     help="serving_config.overlap_steps: false (one step in flight at a time)")
     ap.add_argument("--host", dest="server_ip")
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port", "overlap_steps")
+    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port", "overlap_steps",
+                                               "device")
                  if getattr(args, k) is not None}
     started = time.monotonic()
     try:

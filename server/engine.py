@@ -121,6 +121,8 @@ class Engine:
         waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()
         return {"running": running, "waiting": waiting, "agents_alive": sum(lane.live for lane in self.lanes),
                 "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.stepper.step_count,
+                "devices": [f"{lane.client.info.get('device', '?')}:{lane.client.info.get('device_id', '?')}"
+                            for lane in self.lanes],
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread

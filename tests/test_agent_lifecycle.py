@@ -118,6 +118,16 @@ def test_agents_outlive_servers_and_r_frees_them_from_a_stuck_one(deployment):
     assert launcher.agent_pids() == agents
 
 
+def test_each_agent_runs_on_its_own_device_id(deployment):
+    """Agent i on device start_device_id + i, as MindSpore itself reports it in that agent."""
+    config, _, env, _ = deployment
+    srv = _server(config, "--attach", env=env)
+    try:
+        assert httpx.get(f"{srv.url}/stats", timeout=10).json()["devices"] == ["CPU:0", "CPU:1"]
+    finally:
+        srv.stop()
+
+
 def test_agent_client_speaks_the_protocol_with_the_same_tokens(deployment):
     config, _, env, _ = deployment
     got = _run("tools/agent_client.py", "--config", str(config), "--prompt", PROMPT, "--max-tokens", str(NEW),
