@@ -95,23 +95,3 @@ def lm_head(cfg: Any, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]
 
 def embedding(w: Weights) -> np.ndarray:
     return _float(w["model.embed_tokens.weight"])
-
-
-def projection_arrays(cfg: Any, w: Weights, attn_scale: float, int8: bool, ranges: dict[str, list[np.ndarray]] | None,
-                      group: int, transposed_copies: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """(attribute, array) per layer in layer order, for the model's per-projection tuples: "qkv" etc.
-    hold the weight ([in, out] fp32, or int8 rows [out, Kp]); "<name>_t" MindSpore's [out, in] copy
-    for graphs of many rows (plain path); "<name>_s" / "<name>_g" the int8 scales and input factors.
-    One layer at a time, so a large model never holds a second full copy."""
-    if int8:
-        for layer in int8_projections(cfg, w, attn_scale, ranges, group):
-            for name, (rows, gain) in layer.items():
-                yield name, rows.q
-                yield name + "_s", rows.scale
-                yield name + "_g", gain
-        return
-    for layer in fp32_projections(cfg, w, attn_scale):
-        for name, mat in layer.items():
-            yield name, mat.T
-            if transposed_copies:
-                yield name + "_t", mat

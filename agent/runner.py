@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from agent import native
+from agent import kernels
 from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
+from agent.layers import Backend
 from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import needs_penalty, sample
 from shm.step import SamplingColumns, StepInputs, StepView
@@ -44,7 +45,7 @@ class RunnerConfig:
     mixed_tokens: int = 0  # most tokens of a step with decodes; larger buckets serve prefill-only steps (0: all)
     prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
-    model_dtype: str = "float32"  # or "int8": W8A8 projections (needs the native kernels)
+    model_dtype: str = "float32"  # or "bfloat16" / "int8" projections (agent.layers; need the native kernels)
     int8_group: int = 64  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
 
     def __post_init__(self) -> None:
@@ -90,8 +91,9 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int 
     import mindspore as ms
 
     if cache_dir:
-        src = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("model.py", "runner.py"))
-        digest = hashlib.sha1(src + native.sources_digest().encode() + key.encode()).hexdigest()[:16]
+        src = b"".join(Path(__file__).with_name(f).read_bytes()
+                       for f in ("model.py", "layers.py", "attention.py", "projections.py", "runner.py"))
+        digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -124,13 +126,13 @@ class ModelRunner:
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
-        lib = native.library() if rc.native_kernels else None
+        lib = kernels.library() if rc.native_kernels else None
         self.native_kernels = lib is not None
         int8 = rc.model_dtype == "int8"
-        self.kernel_paths = native.kernel_paths(lib, int8)
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
-        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, lib,
-                                int8=int8, ranges=ranges, int8_group=rc.int8_group)
+        backend = Backend(rc.model_dtype, lib, rc.int8_group, ranges)
+        self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype)
+        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input

@@ -11,13 +11,14 @@ from typing import Any, Callable
 
 import yaml
 
-from common.config_keys import INT8, notices
+from common.config_keys import BFLOAT16, INT8, notices
 
 
 def model_dtype(value: Any) -> str:
-    """The dtype the model runs in for a `model_dtype` value: "int8" for int8 spellings, else
-    float32 (other values are warned about by config_keys)."""
-    return "int8" if str(value).lower() in INT8 else "float32"
+    """The dtype the model runs in for a `model_dtype` value: "int8" or "bfloat16" for their
+    spellings, else float32 (other values are warned about by config_keys)."""
+    v = str(value).lower()
+    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float32"
 
 
 def _as_list(v: Any) -> list[int]:
@@ -42,7 +43,7 @@ class ServingConfig:
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
-    model_dtype: str = "float32"  # or "int8": W8A8 projections and LM head (agent/kernels/linear_int8.cpp)
+    model_dtype: str = "float32"  # "bfloat16": 16-bit projection weights; "int8": W8A8 (agent/layers.py)
     quant_group_size: int = 64  # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 scales per row
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])

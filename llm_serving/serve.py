@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llm-serving", description="LLM inference server on MindSpore")
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--model", dest="model_path", help="smollm2, a .gguf file, a HF folder or a .ckpt")
-    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "int8"],
-                    help="model_config.model_dtype: int8 runs projections and LM head as W8A8")
+    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "int8"],
+                    help="model_config.model_dtype: bfloat16 keeps projection and LM head weights 16-bit, "
+                         "int8 runs them as W8A8")
     ap.add_argument("--device", choices=["CPU", "Ascend", "GPU"], help="serving_config.device: where the agents "
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,

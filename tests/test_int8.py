@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from agent import native
+from agent import kernels as native
 from agent.quant import Int8Rows, quantize
 from agent.runner import setup_mindspore
 
@@ -108,13 +108,12 @@ def test_q8_0_gguf_loads_as_stored(tmp_path):
             np.testing.assert_array_equal(as_int8[name], arr)
 
 
-def test_int8_without_native_kernels_is_refused_clearly(tiny_weights):
-    from agent.model import LlamaModel
-    from tests.conftest import tiny_model_config
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_half_and_int8_without_native_kernels_are_refused_clearly(dtype):
+    from agent.layers import Backend
 
-    setup_mindspore()
-    with pytest.raises(ValueError, match="native kernels"):
-        LlamaModel(tiny_model_config(), tiny_weights, 64, 4, native_lib=None, int8=True)
+    with pytest.raises(ValueError, match=f"model_dtype {dtype} needs the native kernels"):
+        Backend(dtype, None)
 
 
 def test_smollm2_int8_tracks_fp32():
@@ -202,7 +201,7 @@ def test_every_int8_path_this_cpu_has_sums_exactly(march, needs, name, tmp_path)
     import ctypes
     import subprocess
 
-    from agent.native import FLAGS, KERNEL_DIR
+    from agent.kernels import FLAGS, KERNEL_DIR
     from common.cpu import cpu_flags
 
     missing = needs - cpu_flags()

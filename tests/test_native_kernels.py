@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent import native
+from agent import kernels as native
 from agent.runner import setup_mindspore
 
 

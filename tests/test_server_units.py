@@ -244,7 +244,8 @@ def test_unknown_and_unhonoured_config_keys_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("value,dtype", [("DataType.INT8", "int8"), ("int8", "int8"), ("w8a8", "int8"),
-                                         ("DataType.FLOAT32", "float32"), ("float16", "float32")])
+                                         ("DataType.FLOAT32", "float32"), ("float16", "float32"),
+                                         ("DataType.BFLOAT16", "bfloat16"), ("bf16", "bfloat16")])
 def test_model_dtype_spellings(tmp_path, value, dtype):
     from common.config import load_config
 

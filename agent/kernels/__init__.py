@@ -1,8 +1,9 @@
 """Native CPU kernels (MindSpore AOT custom ops), compiled on first use for the host's CPU.
 
 Only what MindSpore CPU cannot express in few fast kernels lives here: the projections run on
-oneDNN's sgemm from the libdnnl MindSpore itself ships (faster than its MatMul, and one weight
-layout serves every batch size); paged attention reads K/V straight from the flat cache by slot,
+oneDNN from the libdnnl MindSpore itself ships (fp32 sgemm, bf16 matmul: faster than its MatMul,
+and one weight layout serves every batch size); int8 is hand-written (oneDNN 3.10's int8 matmul has
+no per-group input scales, which the accuracy recipe needs: agent/kernels/linear_int8.cpp); paged attention reads K/V straight from the flat cache by slot,
 where the pure-MindSpore path gathers a copy of every row's context and runs ~8 kernels per
 layer; RMSNorm, rope and SwiGLU run as one op each instead of 4-5 small kernels, each of which
 costs tens of microseconds of dispatch. Without a C++ compiler, or with LLM_SERVING_NATIVE=0, the
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("llm_serving.agent")
-KERNEL_DIR = Path(__file__).with_name("kernels")
+KERNEL_DIR = Path(__file__).parent
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 
 
@@ -95,22 +96,22 @@ def library() -> str | None:
     return str(out)
 
 
-def kernel_paths(lib: str | None, int8: bool) -> str:
-    """What the projections run on: oneDNN's sgemm for fp32, or the int8 path this build compiled."""
+def kernel_paths(lib: str | None, dtype: str) -> str:
+    """What the projections run on for `dtype`: oneDNN's sgemm (float32), or the bf16 / int8 path
+    this build and this CPU take."""
     if lib is None:
         return "plain MindSpore ops (native kernels off)"
-    if not int8:
+    if dtype == "float32":
         return "fp32: oneDNN sgemm"
-    fn = ctypes.CDLL(lib).Int8KernelPath
+    fn = getattr(ctypes.CDLL(lib), "Int8KernelPath" if dtype == "int8" else "Bf16KernelPath")
     fn.restype = ctypes.c_char_p
     return fn().decode()
 
 
 def custom_ops(lib: str, q_size: int, kv: int, hd: int) -> dict[str, Any]:
-    """The kernels as MindSpore AOT custom ops, by the model attribute that holds each: the
-    projections on oneDNN's sgemm (one weight layout serves every batch size) or the int8 kernel
-    (alone, or fused with the norm / SwiGLU feeding it), paged attention reading the cache by slot
-    (no gathered K/V copy, mask or permutes), and RMSNorm / rope / SwiGLU each as one op instead of 4-5."""
+    """The kernels as MindSpore AOT custom ops, by name: the projections (fp32 on oneDNN's sgemm,
+    bf16, int8 alone or fused with the norm / SwiGLU feeding it), paged attention reading the cache
+    by slot, and RMSNorm / rope / SwiGLU each as one op instead of 4-5."""
     from mindspore import ops
 
     def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
@@ -119,14 +120,15 @@ def custom_ops(lib: str, q_size: int, kv: int, hd: int) -> dict[str, Any]:
     same = lambda x, *_: x  # noqa: E731
     pair = lambda x, *_: (x, x)  # noqa: E731
     return {
-        "linear_op": custom("Linear", lambda x, w: [x[0], w[1]], same),
-        "linear_i8_op": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
-        "add_rms_linear_i8_op": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
-        "swiglu_linear_i8_op": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),
+        "linear": custom("Linear", lambda x, w: [x[0], w[1]], same),
+        "linear_bf16": custom("LinearBf16", lambda x, w: [x[0], w[0] * w[2]], same),
+        "linear_i8": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
+        "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
+        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),
         "paged_attention": custom("PagedAttention", same, same),
-        "rms_op": custom("RmsNorm", same, same),
-        "add_rms_op": custom("AddRmsNorm", pair, pair),
-        "swiglu_op": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
-        "rope_op": custom("Rope", lambda qkv, *_: ([qkv[0], q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
-                          lambda qkv, *_: (qkv, qkv, qkv)),
+        "rms": custom("RmsNorm", same, same),
+        "add_rms": custom("AddRmsNorm", pair, pair),
+        "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
+        "rope": custom("Rope", lambda qkv, *_: ([qkv[0], q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
+                       lambda qkv, *_: (qkv, qkv, qkv)),
     }

@@ -1,0 +1,92 @@
+"""Rotary embedding and paged attention over the flat per-layer KV cache, as two interchangeable
+parameter-free cells: `NativeAttention` (agent/kernels: reads K/V straight from the cache by slot)
+and `PlainAttention` (MindSpore primitives, any device: every token gathers a copy of its
+sequence's context, ~8 kernels per layer, same result).
+
+Both take a step's `context(...)` once, then per layer `rope_split` (q, k, v from the fused Q|K|V
+projection) and `attention`. Rope tables are the model's parameters, passed in through the context.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
+
+
+def context_slots(block_tables: Tensor, block_size: int) -> Tensor:
+    """Cache slot of every context position of every sequence, in position order: [R, W * block_size]."""
+    rows = block_tables.shape[0]
+    offs = ops.arange(block_size, dtype=ms.int32)
+    return (block_tables.reshape(rows, -1, 1) * block_size + offs).reshape(rows, -1)
+
+
+class NativeAttention(nn.Cell):
+    """Rope as one op (split into q, k, v on the way) and paged attention reading the cache by slot
+    (agent/kernels/paged_attention.cpp): no gathered K/V copy, mask or permutes."""
+
+    def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
+        super().__init__()
+        self.block_size = block_size
+        self.rope_op, self.paged_op = k["rope"], k["paged_attention"]
+
+    def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
+                sin_table: Tensor) -> tuple:
+        return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
+
+    def rope_split(self, qkv: Tensor, c: tuple) -> tuple:
+        """q [n, H * hd], k/v [n, kv, hd]."""
+        return self.rope_op(qkv, c[3], c[4], c[0])
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
+        return self.paged_op(q, k_cache, v_cache, c[1], c[2], c[0])
+
+
+class PlainAttention(nn.Cell):
+    def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
+        super().__init__()
+        self.block_size = block_size
+        self.heads, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        half = self.hd // 2
+        rot = np.zeros((self.hd, self.hd), np.float32)  # x @ rot == concat(-x2, x1): rotate-half as one matmul
+        rot[np.arange(half) + half, np.arange(half)] = -1.0
+        rot[np.arange(half), np.arange(half) + half] = 1.0
+        self.rotate = Tensor(rot)
+        self.bmm = ops.BatchMatMul()
+
+    def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
+                sin_table: Tensor) -> tuple:
+        """cos/sin of every token [n, 1, hd], each token's context slots [n, C] and mask bias [n, 1, 1, C]."""
+        n = positions.shape[0]
+        ctx_slots = context_slots(block_tables, self.block_size)
+        ctx = ctx_slots.shape[1]
+        token_slots = ops.gather(ctx_slots, token_rows, 0)
+        visible = ops.arange(ctx, dtype=ms.int32).reshape(1, ctx) <= positions.reshape(n, 1)
+        bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
+                          ops.full_like(visible, NEG_INF, dtype=ms.float32)).reshape(n, 1, 1, ctx)
+        cos = ops.gather(cos_table, positions, 0).reshape(n, 1, self.hd)
+        sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
+        return cos, sin, token_slots, bias
+
+    def rope_split(self, qkv: Tensor, c: tuple) -> tuple:
+        """Rope on the query and key heads at once; q [n, H, hd], k/v [n, kv, hd]."""
+        n, hd = qkv.shape[0], self.hd
+        qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
+        qk = qk.reshape(n, self.heads + self.kv, hd)
+        qk = qk * c[0] + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * c[1]
+        q, k = ops.split(qk, (self.heads, self.kv), 1)
+        return q, k, v.reshape(n, self.kv, hd)
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
+        token_slots, bias = c[2], c[3]
+        n, ctx = token_slots.shape
+        kv, hd, grp = self.kv, self.hd, self.heads // self.kv
+        flat = token_slots.reshape(-1)
+        k_t = ops.gather(k_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 3, 1)  # [T, kv, hd, C]
+        v_h = ops.gather(v_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 1, 3)  # [T, kv, C, hd]
+        probs = ops.softmax(self.bmm(q.reshape(n, kv, grp, hd), k_t) + bias, -1)
+        return self.bmm(probs, v_h).reshape(n, kv * grp * hd)

@@ -1,0 +1,250 @@
+"""The decoder's parts as objects, chosen once at load by `Backend`: one projection class per
+weight format, each owning its parameters and its call, and one ops class per kernel set (norms,
+rope, SwiGLU, paged attention). agent.model composes them and has no dtype branches.
+
+Projections are one Cell per kind (qkv, o, gate_up, down: every layer's matrix in one tuple; the LM
+head as a one-layer projection). Norm/ops cells hold no parameters, so projections share them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from agent.kernels import custom_ops
+from agent.projections import fp32_projections, int8_projections, lm_head
+from agent.attention import NativeAttention, PlainAttention
+from agent.quant import Int8Rows
+
+# MindSpore CPU's MatMul is fastest with [in, out] weights for few rows and with [out, in] weights
+# (transpose_b) for many: ~2.5x either way. Graphs of at least this many tokens use the latter.
+WIDE_ROWS = 96
+BF16_BLOCK = 64  # output columns per bf16 weight block (agent/kernels/linear_bf16.cpp)
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+def param(name: str, arr: np.ndarray) -> Parameter:
+    return Parameter(Tensor(np.ascontiguousarray(arr)), name=name, requires_grad=False)
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+# ------------------------------------------------------------------ norms and element-wise parts
+class PlainNorms(nn.Cell):
+    """RMSNorm (its gain lives in the next weight) and SwiGLU in MindSpore primitives (any device)."""
+
+    def __init__(self, eps: float, inner: int):
+        super().__init__()
+        self.eps, self.inner = eps, inner
+
+    def rms(self, x: Tensor) -> Tensor:
+        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps)
+
+    def add_rms(self, x: Tensor, delta: Tensor) -> tuple:
+        x = x + delta
+        return x, self.rms(x)
+
+    def swiglu(self, gu: Tensor) -> Tensor:
+        gate, up = ops.split(gu, self.inner, 1)
+        return ops.silu(gate) * up
+
+
+class NativeNorms(nn.Cell):
+    """The same as one native op each (agent/kernels/fused.cpp): 4-5 MindSpore kernels fewer."""
+
+    def __init__(self, eps: float, k: dict[str, Any]):
+        super().__init__()
+        self.eps = Tensor(np.array([eps], np.float32))
+        self.rms_op, self.add_rms_op, self.swiglu_op = k["rms"], k["add_rms"], k["swiglu"]
+
+    def rms(self, x: Tensor) -> Tensor:
+        return self.rms_op(x, self.eps)
+
+    def add_rms(self, x: Tensor, delta: Tensor) -> tuple:
+        return self.add_rms_op(x, delta, self.eps)
+
+    def swiglu(self, gu: Tensor) -> Tensor:
+        return self.swiglu_op(gu)
+
+
+# ------------------------------------------------------------------ projections
+class Projection(nn.Cell):
+    """x @ W_i for layer i of one projection kind. `layers`: per layer, the arrays `stored` made."""
+
+    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+        super().__init__()
+        self.norms = norms
+        for slot in range(len(layers[0])):
+            setattr(self, f"w{slot}", ms.ParameterTuple([p[slot] for p in layers]))
+
+    @classmethod
+    def params(cls, name: str, i: int, prepared: Any) -> tuple[Parameter, ...]:
+        return tuple(param(f"{name}{i}_{s}", a) for s, a in enumerate(cls.stored(prepared)))
+
+    @staticmethod
+    def stored(prepared: Any) -> tuple[np.ndarray, ...]:
+        raise NotImplementedError
+
+    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int, wide: bool) -> tuple:
+        """The residual add, the RMSNorm after it and this projection: (x + delta, rms(x + delta) @ W_i)."""
+        x, h = self.norms.add_rms(x, delta)
+        return x, self.linear(h, i, wide)
+
+    def swiglu_linear(self, gu: Tensor, i: int, wide: bool) -> Tensor:
+        return self.linear(self.norms.swiglu(gu), i, wide)
+
+
+class PlainLinear(Projection):
+    """MindSpore MatMul. On CPU it is fastest with [in, out] weights for few rows and with [out, in]
+    (transpose_b) for many, ~2.5x either way: both are kept (`wide` picks). The LM head keeps only
+    [out, in], 1.6-2.5x faster at every batch."""
+
+    @staticmethod
+    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
+        return np.ascontiguousarray(mat, np.float32), np.ascontiguousarray(mat.T, np.float32)
+
+    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+        super().__init__(norms, layers, k, width)
+        self.matmul_t = ops.MatMul(transpose_b=True)
+
+    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+        return self.matmul_t(x, self.w0[i]) if wide else ops.matmul(x, self.w1[i])
+
+
+class PlainHead(PlainLinear):
+    @staticmethod
+    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (np.ascontiguousarray(mat, np.float32),)
+
+    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+        return self.matmul_t(x, self.w0[i])
+
+
+class DnnlLinear(Projection):
+    """fp32 on oneDNN's sgemm (agent/kernels/linear.cpp), [in, out] weights: one layout serves every
+    batch size; for the LM head 2.4x MindSpore's best at one row, 0.9x at 64."""
+
+    op_name = "linear"
+
+    @staticmethod
+    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (np.ascontiguousarray(mat.T, np.float32),)
+
+    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+        super().__init__(norms, layers, k, width)
+        self.op = k[self.op_name]
+
+    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+        return self.op(x, self.w0[i])
+
+
+class Bf16Linear(DnnlLinear):
+    """bf16 weights in column blocks [N/64, K, 64] (agent/kernels/linear_bf16.cpp): half the memory
+    and bytes streamed per step; oneDNN's bf16 matmul for many rows where the CPU has AVX512-BF16 or
+    AMX. Widths that are not a multiple of 64 are padded and the extra columns dropped."""
+
+    op_name = "linear_bf16"
+
+    @staticmethod
+    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
+        n, k = mat.shape
+        pad = -n % BF16_BLOCK
+        bits = bf16_bits(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
+        return (np.ascontiguousarray(bits.reshape(-1, BF16_BLOCK, k).transpose(0, 2, 1)),)
+
+    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+        super().__init__(norms, layers, k, width)
+        self.width = width
+        self.padded = layers[0][0].shape[0] * BF16_BLOCK != width
+
+    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+        y = self.op(x, self.w0[i])
+        return y[:, :self.width] if self.padded else y
+
+
+class Int8Linear(DnnlLinear):
+    """W8A8 (agent/kernels/linear_int8.cpp): int8 rows, their group scales and the input factor
+    (norm gain over the smoothing factor) applied where the kernel quantises the activations; the
+    norm and SwiGLU feeding a projection run in that same pass (a dispatch less each)."""
+
+    op_name = "linear_i8"
+
+    @staticmethod
+    def stored(prepared: tuple[Int8Rows, np.ndarray]) -> tuple[np.ndarray, ...]:
+        rows, gain = prepared
+        return rows.q, rows.scale, np.asarray(gain, np.float32)
+
+    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+        super().__init__(norms, layers, k, width)
+        self.add_rms_op, self.swiglu_op = k["add_rms_linear_i8"], k["swiglu_linear_i8"]
+
+    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+        return self.op(x, self.w0[i], self.w1[i], self.w2[i])
+
+    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int, wide: bool) -> tuple:
+        return self.add_rms_op(x, delta, self.norms.eps, self.w0[i], self.w1[i], self.w2[i])
+
+    def swiglu_linear(self, gu: Tensor, i: int, wide: bool) -> Tensor:
+        return self.swiglu_op(gu, self.w0[i], self.w1[i], self.w2[i])
+
+
+# ------------------------------------------------------------------ the backend, chosen once
+@dataclass(frozen=True)
+class Backend:
+    """Which kernels a model runs on: `dtype` (float32 | bfloat16 | int8) of the projections and LM
+    head, `lib` the native kernel library (None: plain MindSpore ops, float32 only)."""
+
+    dtype: str = "float32"
+    lib: str | None = None
+    int8_group: int = 64
+    ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model_dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+        if self.dtype != "float32" and self.lib is None:
+            raise ValueError(f"model_dtype {self.dtype} needs the native kernels (a C++ compiler, LLM_SERVING_NATIVE "
+                             "not 0, a CPU device); the plain-MindSpore path runs float32 only")
+
+    def kernels(self, cfg: Any) -> dict[str, Any]:
+        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads, cfg.head_dim) if self.lib else {}
+
+    def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
+        return NativeNorms(cfg.rms_eps, k) if self.lib else PlainNorms(cfg.rms_eps, cfg.intermediate_size)
+
+    def attention(self, cfg: Any, block_size: int, k: dict[str, Any]) -> nn.Cell:
+        return (NativeAttention if self.lib else PlainAttention)(cfg, block_size, k)
+
+    def projection_cls(self, head: bool) -> type[Projection]:
+        if self.lib is None:
+            return PlainHead if head else PlainLinear
+        return {"float32": DnnlLinear, "bfloat16": Bf16Linear, "int8": Int8Linear}[self.dtype]
+
+    def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
+                    k: dict[str, Any]) -> dict[str, Projection]:
+        """qkv, o, gate_up, down and head, converted one layer at a time (a large model never holds a
+        second full copy)."""
+        cls = self.projection_cls(head=False)
+        layers: dict[str, list] = {}
+        for i, layer in enumerate(self._prepared(cfg, w, attn_scale)):
+            for name, prep in layer.items():
+                layers.setdefault(name, []).append(cls.params(name, i, prep))
+        head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group)
+        # int8 applies the final norm's gain where it quantises; float weights fold it into the head
+        layers["head"] = [self.projection_cls(head=True).params("head", 0, (head, gain) if self.dtype == "int8"
+                                                                else head * gain[None, :])]
+        widths = {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
+                  "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": cfg.vocab_size}
+        return {name: self.projection_cls(name == "head")(norms, ls, k, widths[name]) for name, ls in layers.items()}
+
+    def _prepared(self, cfg: Any, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
+        if self.dtype == "int8":
+            return int8_projections(cfg, w, attn_scale, self.ranges, self.int8_group)
+        return fp32_projections(cfg, w, attn_scale)

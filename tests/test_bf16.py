@@ -1,0 +1,127 @@
+"""bfloat16 weights (agent/kernels/linear_bf16.cpp through agent.layers.Bf16Linear): every kernel path
+against float64 NumPy on the same bf16 values, including the paths this CPU does not take by itself
+(the AVX2 build, and oneDNN limited to AVX2 so it has no bf16 math); the tiny model against the
+float64 reference of its fp32 weights within bf16's tolerance, batch 1 equal to batch N; SmolLM2's
+perplexity within 1% of fp32 at half the projection bytes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from agent import kernels
+from agent.layers import BF16_BLOCK, Bf16Linear, bf16_bits
+from common.cpu import cpu_flags
+from tests.conftest import tiny_model_config
+from tests.reference import reference_logits
+from tests.test_int8 import _call
+from tests.test_model_runner import PROMPTS, PagedDriver, make_runner
+
+# (rows, inputs, outputs): decode rows around the streaming loop's 4-row tiles, oneDNN's threshold
+# (8), a packed step, a width that needs padding and several blocks per core.
+CASES = [(1, 576, 960), (3, 100, 64), (5, 1536, 577), (8, 64, 192), (64, 576, 1536), (130, 96, 33)]
+# bf16 rounds each weight and activation to 8 significant bits (relative error <= 2^-9 each).
+BF16_REL = 2.0 ** -8
+
+
+def as_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def check_kernel(lib_path: str) -> str:
+    """Runs every CASE through LinearBf16 of `lib_path`; returns the path the library reports."""
+    import ctypes
+
+    lib = ctypes.CDLL(lib_path)
+    lib.Bf16KernelPath.restype = ctypes.c_char_p
+    for m, k, n in CASES:
+        rng = np.random.default_rng(m * k + n)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        x = rng.standard_normal((m, k)).astype(np.float32) * 3
+        (stored,) = Bf16Linear.stored(w)
+        y = np.zeros((m, stored.shape[0] * BF16_BLOCK), np.float32)
+        assert _call(lib, "LinearBf16", [x, stored, y]) == 0
+        xb, wb = as_f32(bf16_bits(x)).astype(np.float64), as_f32(bf16_bits(w)).astype(np.float64)
+        want = xb @ wb.T  # the kernel's own semantics: bf16 x and w, exact products, fp32 sums
+        scale = np.abs(xb) @ np.abs(wb).T
+        np.testing.assert_array_less(np.abs(y[:, :n] - want), 1e-5 * scale + 1e-6, err_msg=f"{m},{k},{n}")
+        assert not y[:, n:].any()  # padded columns stay zero
+    return lib.Bf16KernelPath().decode()
+
+
+def test_kernel_as_built_for_this_cpu():
+    lib = kernels.library()
+    assert lib is not None
+    path = check_kernel(lib)
+    has_bf16 = "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags()
+    assert ("oneDNN bf16 matmul" in path) == has_bf16, path
+
+
+_AVX2_CHILD = """
+import sys
+from tests.test_bf16 import check_kernel
+print(check_kernel(sys.argv[1]))
+"""
+
+
+def test_avx2_build_without_onednn_bf16(tmp_path):
+    """The path of an AVX2-only CPU: the streaming loop in 256-bit vectors, and for many rows weight
+    tiles converted to fp32 for sgemm (oneDNN capped at AVX2 offers no bf16 math)."""
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("the AVX2 bf16 path cannot run on this CPU (no AVX2/FMA)")
+    lib = tmp_path / "bf16-haswell.so"
+    flags = [f for f in kernels.FLAGS if not f.startswith("-march")]
+    subprocess.run(["g++", *flags, "-march=haswell", "-o", str(lib), str(kernels.KERNEL_DIR / "linear_bf16.cpp"),
+                    *kernels._dnnl_flags()], check=True, capture_output=True)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", _AVX2_CHILD, str(lib)], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "AVX2" in out.stdout and "converted to fp32" in out.stdout, out.stdout
+
+
+@pytest.fixture(scope="module")
+def bf16_runner(tiny_weights):
+    return make_runner(tiny_weights, 16, dtype="bfloat16")
+
+
+def test_tiny_model_tracks_the_float64_reference(bf16_runner, tiny_weights):
+    """Logits within bf16's error of the float64 forward of the fp32 weights (teacher-forced on the
+    tokens the model chose), and each greedy token the reference's argmax wherever the reference's
+    top two are further apart than that error."""
+    seqs, logits = PagedDriver(bf16_runner).run(PROMPTS, 16)
+    cfg = tiny_model_config()
+    for prompt, seq, got in zip(PROMPTS, seqs, logits):
+        want = reference_logits(cfg, tiny_weights, seq[:-1])[len(prompt) - 1:]
+        err = np.abs(np.stack(got) - want).max(-1)
+        tol = 8 * BF16_REL * np.abs(want).max(-1)  # measured: at most ~1.5 BF16_REL of the largest logit
+        assert np.all(err <= tol), (err / np.abs(want).max(-1)).max()
+        top2 = np.sort(want, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * tol
+        chosen = np.asarray(seq[len(prompt):])
+        assert np.array_equal(chosen[clear], want.argmax(-1)[clear])
+        assert clear.mean() > 0.5  # the check above is not vacuous
+
+
+def test_batch_one_equals_batch_four(bf16_runner):
+    """Every path rounds activations to bf16 the same way, so a row's tokens do not depend on its
+    step's row count (decodes of 1 and of 4 rows, prefill alone or packed with others)."""
+    batched, _ = PagedDriver(bf16_runner).run(PROMPTS, 12, collect_logits=False)
+    for i, prompt in enumerate(PROMPTS):
+        single, _ = PagedDriver(bf16_runner).run([prompt], 12, collect_logits=False)
+        assert single[0] == batched[i]
+
+
+def test_smollm2_bf16_tracks_fp32():
+    """Perplexity on the shipped corpus within 1% of fp32, greedy continuations agreeing in their
+    first 4 tokens for >= 80% of prompts, and the weights' bytes near half (embeddings stay fp32)."""
+    from tools.eval_quant import agreement, evaluate
+
+    base = evaluate("smollm2", "float32", 4)
+    bf16 = evaluate("smollm2", "bfloat16", 4)
+    assert abs(bf16["perplexity"] / base["perplexity"] - 1) < 0.01
+    assert agreement(base["greedy"], bf16["greedy"]) >= 0.8
+    assert bf16["weight_bytes"] < 0.65 * base["weight_bytes"]
