@@ -8,13 +8,14 @@ agent/calibrate (float weights only: a file's int8 rows are used as stored).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
 
 from agent.quant import Int8Rows, concat, quantize, smoothing
 
-Weights = dict[str, Any]  # float32 arrays, or Int8Rows for tensors a file held as int8
+Weights = Mapping[str, Any]  # float32 arrays, or Int8Rows for tensors a file held as int8
 
 
 def _layer_mats(w: Weights, i: int) -> dict[str, list[Any]]:

@@ -1,12 +1,18 @@
 """Load Llama weights into Hugging Face names as float32 numpy arrays, plus the LlamaConfig.
 
-With ``int8``, GGUF Q8_0 projection tensors come as agent.quant.Int8Rows, never as a float copy
-(a 7B Q8_0 model would need 28 GB as float32); everything else is float32 and the model quantises
-it at build time."""
+Safetensors and GGUF tensors are read lazily from memory-mapped files (`LazyWeights`): each is
+converted to float32 when the model asks for it and dropped once the model has its own copy in its
+final dtype, so loading never holds the whole model as float32 (llama2-7B: 27 GB) — peak memory is
+the final weights plus about one layer. With ``int8``, GGUF Q8_0 projection tensors come as
+agent.quant.Int8Rows, never as a float copy; everything else is float32 and the model converts it
+at build time."""
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +23,30 @@ from agent.model import LlamaConfig
 from agent.quant import from_q8_0
 from common.model_files import ModelFiles, mindformers_yaml
 
-Weights = dict[str, Any]  # float32 arrays; Int8Rows for Q8_0 projections loaded with int8=True
+Weights = Mapping[str, Any]  # float32 arrays; Int8Rows for Q8_0 projections loaded with int8=True
+
+
+class LazyWeights(Mapping):
+    """Tensors by name, each read and converted when asked for (and again if asked again: nothing
+    is cached, so a consumer's last reference frees it)."""
+
+    def __init__(self) -> None:
+        self._get: dict[str, Callable[[], Any]] = {}
+
+    def add(self, name: str, get: Callable[[], Any]) -> None:
+        self._get[name] = get
+
+    def update(self, other: "LazyWeights") -> None:
+        self._get.update(other._get)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._get[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get)
+
+    def __len__(self) -> int:
+        return len(self._get)
 
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -62,7 +91,8 @@ def _gguf_tensor(t: Any, int8: bool) -> Any:
         d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
         return from_q8_0(q, d)
-    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+    # a copy even for F32 (a view would map the file pages back in after _drop_pages)
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
 
 
 def _load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, Weights]:
@@ -86,44 +116,73 @@ def _load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, Weig
         tie_word_embeddings="output.weight" not in names,
         max_position=meta.get("llama.context_length", 4096),
         bos_token_id=bos.contents() if bos else None, eos_token_ids=[int(eos)])
-    weights: Weights = {}
+    reader.fields.clear()  # the tokenizer's ~100k parsed entries (~150 MB for SmolLM2's); read elsewhere
+    weights = LazyWeights()
     for t in reader.tensors:
-        arr = _gguf_tensor(t, int8)
         parts = t.name.split(".")
         if parts[0] == "blk":
             kind = parts[2]
-            if kind in ("attn_q", "attn_k"):
-                arr = arr[_unpermute(arr.shape[0], heads if kind == "attn_q" else kv_heads)]
-            weights[f"model.layers.{parts[1]}.{_GGUF_LAYER[kind]}.{parts[3]}"] = arr
+            rows = {"attn_q": heads, "attn_k": kv_heads}.get(kind)
+            weights.add(f"model.layers.{parts[1]}.{_GGUF_LAYER[kind]}.{parts[3]}",
+                        lambda t=t, rows=rows: _gguf_unpermuted(reader, t, int8, rows))
         elif parts[0] in _GGUF_TOP:
-            weights[f"{_GGUF_TOP[parts[0]]}.{parts[1]}"] = arr
+            weights.add(f"{_GGUF_TOP[parts[0]]}.{parts[1]}", lambda t=t: _gguf_unpermuted(reader, t, int8, None))
     return cfg, weights
+
+
+def _gguf_unpermuted(reader: Any, t: Any, int8: bool, heads: int | None) -> Any:
+    arr = _gguf_tensor(t, int8)
+    _drop_pages(reader, t)
+    return arr if heads is None else arr[_unpermute(arr.shape[0], heads)]
+
+
+def _drop_pages(reader: Any, t: Any) -> None:
+    """Unmap a tensor's file pages from this process once read: mapped file pages count in its RSS
+    (they stay in the page cache), and a whole model's would make loading peak at twice its size."""
+    start = t.data_offset - t.data_offset % mmap.PAGESIZE
+    try:
+        reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+    except (AttributeError, OSError, ValueError):  # another numpy or OS: the pages just stay mapped
+        pass
 
 
 # ---------------------------------------------------------------- Hugging Face folder
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
-def read_safetensors(path: Path) -> Weights:
-    """Minimal safetensors reader that also handles bf16 (numpy has no bfloat16)."""
+def read_safetensors(path: Path) -> LazyWeights:
+    """Minimal safetensors reader that also handles bf16 (numpy has no bfloat16). Each tensor is read
+    with its own pread when asked for (not memory-mapped: mapped file pages count in RSS)."""
     with open(path, "rb") as fh:
         (header_len,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(header_len))
-        base = 8 + header_len
-        out: Weights = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = info["dtype"]
-            if dtype not in _ST_DTYPES:
-                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
-            start, end = info["data_offsets"]
-            fh.seek(base + start)
-            raw = np.frombuffer(fh.read(end - start), dtype=_ST_DTYPES[dtype]).reshape(info["shape"])
-            if dtype == "BF16":
-                raw = (raw.astype(np.uint32) << 16).view(np.float32)
-            out[name] = raw.astype(np.float32)
+    out = LazyWeights()
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        out.add(name, lambda info=info: _st_tensor(path, 8 + header_len, info))
     return out
+
+
+def _st_tensor(path: Path, base: int, info: dict) -> np.ndarray:
+    start, end = info["data_offsets"]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(end - start)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = os.preadv(fd, [view[got:]], base + start + got)
+            if n <= 0:
+                raise ValueError(f"{path.name}: truncated tensor data")
+            got += n
+    finally:
+        os.close(fd)
+    raw = np.frombuffer(buf, _ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+    if info["dtype"] == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw if raw.dtype == np.float32 else raw.astype(np.float32)
 
 
 def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
@@ -139,7 +198,7 @@ def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
         rope_scaling=c.get("rope_scaling"), tie_word_embeddings=c.get("tie_word_embeddings", False),
         max_position=c.get("max_position_embeddings", 4096), bos_token_id=c.get("bos_token_id"),
         eos_token_ids=list(eos) if isinstance(eos, list) else [eos])
-    weights: Weights = {}
+    weights = LazyWeights()
     shards = sorted(files.path.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors in {files.path}")
@@ -170,7 +229,7 @@ def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
     mc = mindformers_model_config(Path(files.cfg_path))
     hidden, heads = mc["hidden_size"], mc["num_heads"]
     ckpt = {k: v.asnumpy().astype(np.float32) for k, v in ms.load_checkpoint(str(files.path)).items()}
-    weights: Weights = {}
+    weights: dict[str, Any] = {}
     for name, arr in ckpt.items():
         if name in _MF_TOP:
             weights[_MF_TOP[name]] = arr

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from agent.weights import _unpermute, load_model, read_safetensors
 from common.model_files import ModelFiles
@@ -104,3 +106,54 @@ def test_mindformers_base_config_chains_resolve_without_the_extra(tmp_path):
     (tmp_path / "lost.yaml").write_text("base_config: nowhere.yaml\n")
     with pytest.raises(FileNotFoundError, match="nowhere.yaml not found .base_config of"):
         mindformers_yaml(tmp_path / "lost.yaml")
+
+
+_LOAD_CHILD = """
+import sys
+from pathlib import Path
+import mindspore  # noqa: F401  (its runtime is part of the final RSS, not of loading)
+from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.weights import load_model
+from common.model_files import ModelFiles
+
+def status(key):  # kB; VmHWM, unlike ru_maxrss, does not carry the forking parent's peak over exec
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":")) * 1024
+
+setup_mindspore()
+cfg, weights = load_model(ModelFiles(sys.argv[1], Path(sys.argv[2])), 128)
+rc = RunnerConfig(num_blocks=8, block_size=16, max_model_len=128, token_buckets=[1], max_rows=1, model_dtype=sys.argv[3])
+runner = ModelRunner(cfg, weights, rc)
+del weights
+print(status("VmRSS"), status("VmHWM"), runner.model.weight_bytes)
+"""
+
+
+@pytest.mark.parametrize("kind,dtype", [("hf", "bfloat16"), ("gguf", "bfloat16"), ("hf", "float32")])
+def test_loading_streams_tensor_by_tensor(tmp_path, kind, dtype):
+    """Peak RSS while loading and building the model stays within final RSS + 10%: tensors are read
+    from the memory-mapped file one at a time and converted to their final dtype (a whole-model
+    float32 dict first, as before, peaked ~40% above final at bfloat16)."""
+    import subprocess
+    import sys
+
+    from agent.model import LlamaConfig
+    from common.model_files import resolve_model
+    from tools.export_model import random_llama, write_gguf, write_hf
+
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=16, num_heads=8,
+                      num_kv_heads=4, max_position=128, eos_token_ids=[2])
+    w = random_llama(cfg, seed=1)  # ~200 MB as float32
+    tok = resolve_model("smollm2").path
+    path = tmp_path / "m"
+    if kind == "hf":
+        write_hf(path, cfg, w, tok)
+    else:
+        path = tmp_path / "m-f32.gguf"
+        write_gguf(path, cfg, w, tok, "f32")
+    del w
+    out = subprocess.run([sys.executable, "-c", _LOAD_CHILD, kind, str(path), dtype], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    final, peak, weight_bytes = map(int, out.stdout.split()[-3:])
+    assert weight_bytes < (0.6 if dtype == "bfloat16" else 1.1) * 200e6
+    assert peak <= 1.1 * final, (peak / 2**20, final / 2**20)

@@ -24,7 +24,13 @@ from typing import Any
 
 log = logging.getLogger("llm_serving.agent")
 KERNEL_DIR = Path(__file__).parent
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+# -ffast-math's parts, not the flag itself: linking a shared library with -ffast-math (or
+# -funsafe-math-optimizations) adds crtfastmath.o (GCC 12), whose constructor turns on
+# flush-to-zero in whatever process loads the library (a test process that had loaded it saw every
+# later subnormal float become 0).
+FAST_MATH = ["-fno-math-errno", "-fassociative-math", "-freciprocal-math", "-ffinite-math-only", "-fno-signed-zeros",
+             "-fno-trapping-math", "-fcx-limited-range"]
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-std=c++17", "-shared", "-fPIC", "-pthread"]
 
 
 def enabled() -> bool:
