@@ -46,7 +46,9 @@ def check_identity(info: dict[str, Any], h: dict[str, Any]) -> None:
     for key, names in (("geometry", P.GEOMETRY_KEYS), ("model", P.MODEL_KEYS)):
         for name in names:
             ours, theirs = info[key][name], h[key][name]
-            if name != "name" and ours != theirs:
+            if name == "name" or (name == "num_blocks" and theirs == 0):  # 0: the server takes our pool (auto)
+                continue
+            if ours != theirs:
                 raise CommandError(P.E_MISMATCH, f"{key} mismatch: server has {name}={theirs!r}, agent has "
                                                  f"{name}={ours!r} (start both from the same YAML and model)")
 
@@ -290,11 +292,14 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
     from agent.calibrate import CALIBRATION_TEXT
     from agent.weights import load_model
+    from common.memory import plan as memory_plan
     from common.model_files import model_identity, resolve_model
     from common.tokenizer import load_tokenizer
 
     t0 = time.monotonic()
     files = resolve_model(cfg.model_path, cfg.model_cfg_path)
+    if not cfg.num_blocks:  # num_blocks: auto and no launcher sized it (an agent started by itself)
+        log.info("memory plan:\n%s", memory_plan(cfg, files, 1).describe())
     log.info("loading weights from %s", files.path)
     int8 = cfg.model_dtype == "int8"
     model_cfg, weights = load_model(files, cfg.max_model_len, int8=int8)
@@ -321,6 +326,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
             "device": device, "device_id": device_id,
             "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
+            "kv_cache_bytes": runner.model.kv_cache_bytes,
             "launcher_pid": owner_pid, "kernels": runner.kernel_paths}  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))

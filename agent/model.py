@@ -101,6 +101,10 @@ class LlamaModel(nn.Cell):
         """Bytes of the loaded weights (KV cache not counted)."""
         return sum(p.nbytes for p in self.get_parameters() if "_cache" not in p.name)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(p.nbytes for p in self.get_parameters() if "_cache" in p.name)
+
     def construct(self, tokens: Tensor, positions: Tensor, slots: Tensor, token_rows: Tensor,
                   block_tables: Tensor, logit_rows: Tensor) -> Tensor:
         """One token-packed step (decode rows and prefill chunks in any mix): tokens, positions,

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import yaml
 
 from common.config_keys import BFLOAT16, INT8, notices
+from common.memory import parse_bytes
 
 
 def model_dtype(value: Any) -> str:
@@ -73,8 +74,9 @@ class ServingConfig:
     request_log: str | None = None  # a JSON-lines file: every request's life-cycle timestamps
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     curve_keys: str | None = None  # CURVE key folder for tcp agents (shm/curve.py)
+    kv_cache_memory: int = 0  # ours: KV pool bytes per agent with num_blocks auto (vLLM's KV space); 0 = what is left
     # pa_config
-    num_blocks: int = 1024
+    num_blocks: int = 1024  # 0 = auto (common/memory.py sizes it before the agents load)
     block_size: int = 16
     max_model_len: int = 2048  # decode_seq_length
     # tokenizer
@@ -170,7 +172,7 @@ class ServingConfig:
         if len(set(zip(self.agent_hosts or [self.agent_ip] * len(self.agent_ports), self.agent_ports))) != len(
                 self.agent_ports):
             raise ConfigError(f"serving_config.agent_ports = {self.agent_ports}: each port once")
-        if (self.num_blocks - 1) * self.block_size < self.max_model_len:
+        if self.num_blocks and (self.num_blocks - 1) * self.block_size < self.max_model_len:
             raise ConfigError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
                               f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
                               f"decode_seq_length {self.max_model_len} (block 0 is reserved); need num_blocks >= "
@@ -216,7 +218,8 @@ RANGES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("max_header_bytes", "serving_config.max_header_bytes", lambda v: v >= 1024, ">= 1024"),
     ("http_header_timeout_s", "serving_config.http_header_timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("http_keepalive_timeout_s", "serving_config.http_keepalive_timeout_s", lambda v: v >= 1, ">= 1 second"),
-    ("num_blocks", "pa_config.num_blocks", lambda v: v >= 2, ">= 2 (block 0 is reserved)"),
+    ("num_blocks", "pa_config.num_blocks", lambda v: v == 0 or v >= 2, ">= 2 (block 0 is reserved) or auto"),
+    ("kv_cache_memory", "serving_config.kv_cache_memory", lambda v: v >= 0, "a byte count such as 8GiB"),
     ("block_size", "pa_config.block_size", lambda v: v >= 1, ">= 1"),
     ("max_model_len", "pa_config.decode_seq_length", lambda v: v >= 2, ">= 2"),
 ]
@@ -309,7 +312,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.agent_ports = [int(p) for p in _convert(sc, "serving_config", "agent_ports", _ports, c.agent_ports)]
     c.agent_cores = [list(map(int, x)) for x in _convert(sc, "serving_config", "agent_cores", _cores, [])]
     c.agent_hosts = [str(h) for h in sc.get("agent_hosts") or []]
-    c.num_blocks = _convert(pa, "pa_config", "num_blocks", int, c.num_blocks)
+    c.kv_cache_memory = _convert(sc, "serving_config", "kv_cache_memory", parse_bytes, 0)
+    # kv_cache_memory sizes the pool: it implies num_blocks auto unless the YAML sets num_blocks too
+    c.num_blocks = _convert(pa, "pa_config", "num_blocks", _blocks, 0 if c.kv_cache_memory else c.num_blocks)
     c.block_size = _convert(pa, "pa_config", "block_size", int, c.block_size)
     c.max_model_len = _convert(pa, "pa_config", "decode_seq_length", int, c.max_model_len)
     c.tokenizer_path = tk.get("vocab_file") or tk.get("path")
@@ -321,6 +326,15 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     if c.token_buckets != c.listed_buckets:  # the ladder added sizes between the YAML's
         c.notices.append(c.bucket_notice())
     return c
+
+
+def _blocks(v: Any) -> int:
+    """pa_config.num_blocks: a count, or "auto" (0)."""
+    if str(v).strip().lower() == "auto":
+        return 0
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(v)
+    return int(v)
 
 
 def _ports(v: Any) -> list[int]:

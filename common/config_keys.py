@@ -21,6 +21,7 @@ HONOURED: dict[str, set[str]] = {
                        "step_timeout_s", "heartbeat_s", "max_agent_restarts", "recovery_deadline_s",
                        "max_body_bytes", "max_header_bytes", "http_header_timeout_s", "http_keepalive_timeout_s",
                        "warmup", "enable_prefix_caching", "overlap_steps", "request_log", "agent_cores", "curve_keys", "agent_hosts", "device",
+                       "kv_cache_memory",
                        "compile_cache_dir"},
     "pa_config": {"num_blocks", "block_size", "decode_seq_length"},
     "tokenizer": {"vocab_file", "path"},

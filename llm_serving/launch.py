@@ -21,6 +21,9 @@ import zmq
 
 from agent.logits_dump import ENV_DIR, ENV_EVERY
 from common.config import ConfigError, ServingConfig, load_config
+from common.memory import MemoryPlan, gib
+from common.memory import plan as memory_plan
+from common.model_files import resolve_model
 from common.procs import stopped
 from shm import protocol as P
 from shm.arena import clean_stale_segments
@@ -108,6 +111,7 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
             keys.pair("agent")  # the agents' keypair is here: fail now, not in each agent
     except CurveKeyError as exc:
         raise AgentStartError(str(exc)) from None
+    check_memory(cfg, overrides)
     for i, port in enumerate(cfg.agent_ports):
         refusal, warning = exposure(cfg.bind_host(i), keys, bool(os.environ.get(INSECURE_ENV)))
         if refusal:
@@ -128,6 +132,19 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
         stop_agents(procs)
         raise
     return procs
+
+
+def check_memory(cfg: ServingConfig, overrides: dict[str, Any]) -> MemoryPlan:
+    """Size `num_blocks: auto` (the agents reload the config with the result) and refuse a config
+    this host cannot hold, before any agent loads a weight."""
+    p = memory_plan(cfg, resolve_model(cfg.model_path, cfg.model_cfg_path), len(cfg.agent_ports))
+    overrides["num_blocks"] = cfg.num_blocks
+    why = p.refusal()
+    if why:
+        raise AgentStartError(why)
+    log.info("memory per agent: %s (weights %s, KV %s in %d blocks, activations %s, runtime %s)",
+             gib(p.per_agent), gib(p.weights), gib(p.kv), p.num_blocks, gib(p.activations), gib(p.runtime))
+    return p
 
 
 def respawn_agent(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
@@ -186,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("config: %s", line)
     try:
         procs = start_agents(cfg, args.config, overrides)
-    except AgentStartError as exc:
+    except (AgentStartError, ConfigError) as exc:
         log.error("%s", exc)
         return 1
     print("all agents started", flush=True)  # the original launcher's ready line

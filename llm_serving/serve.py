@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from common.config import ConfigError, ServingConfig, load_config
+from common.memory import plan as memory_plan
 from common.model_files import model_identity, resolve_model
 from llm_serving.launch import AgentStartError, agent_env, positive, respawn_agent, start_agents, stop_agents
 from server.engine import Engine
@@ -56,8 +57,10 @@ def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 6
     try:
         if reset:
             client.call(P.RESET, timeout_s=timeout_s)
-        client.handshake(cfg.geometry, model_identity(cfg.model_name, resolve_model(cfg.model_path, cfg.model_cfg_path)),
-                         timeout_s)
+        info = client.handshake(cfg.geometry, model_identity(cfg.model_name, resolve_model(cfg.model_path,
+                                                                                           cfg.model_cfg_path)), timeout_s)
+        if not cfg.num_blocks:  # num_blocks: auto, attached: the agents sized the pool (0 matches any)
+            cfg.num_blocks = int(info["geometry"]["num_blocks"])
     except AgentError as exc:
         client.close(detach=False)
         raise AttachError(f"agent on port {port} refused: {exc}") from None
@@ -149,6 +152,19 @@ def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[st
     return engine, tok, procs
 
 
+def dry_run(cfg: ServingConfig, attach: bool) -> int:
+    """`--dry-run`: the memory plan of this config on this host, nothing started."""
+    try:
+        p = memory_plan(cfg, resolve_model(cfg.model_path, cfg.model_cfg_path), 0 if attach else len(cfg.agent_ports))
+    except (ConfigError, OSError, ValueError, KeyError) as exc:
+        print(f"config: {exc}")
+        return 1
+    print(f"model {cfg.model_path or cfg.model_name}, {cfg.model_dtype}, device {cfg.device}, "
+          f"{len(cfg.agent_ports)} agent(s){' (attached: not on this host)' if attach else ''}")
+    print(p.describe())
+    return 0 if p.refusal() is None else 1
+
+
 def start_failed(why: str, verbose: bool) -> int:
     """A start-up error: one line and exit status 1; the traceback only with --verbose."""
     log.error("%s", why, exc_info=verbose)
@@ -199,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", action="append", metavar="KEY", help="require Authorization: Bearer KEY on every "
                     "route but /health and /metrics (repeat or comma-separate for several; also LLM_SERVING_API_KEY)")
     ap.add_argument("--metrics-auth", action="store_true", help="with API keys: /metrics needs a key too")
+    ap.add_argument("--dry-run", action="store_true", help="print the memory plan (weights, KV cache, "
+                    "activations per agent, against this host's available memory) and exit: 0 if it fits")
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     args = ap.parse_args(argv)
@@ -221,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         return start_failed(f"config: {exc}", args.verbose)
     for line in cfg.notices:
         log.warning("config: %s", line)
+    if args.dry_run:
+        return dry_run(cfg, args.attach)
     log.info("step graphs: %s tokens (at most %d per step, %d sequences per agent)", cfg.token_buckets,
              cfg.mixed_step_tokens, cfg.max_running)
     removed = clean_stale_segments()

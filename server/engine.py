@@ -113,7 +113,7 @@ class Engine:
         return str(self.lanes[0].client.info.get("device", "CPU"))
 
     def model_dtype(self) -> str:
-        """The dtype the agents run the model in ("float32" / "int8"), as they reported at attach."""
+        """The dtype the agents run the model in (float32, bfloat16, int8), as they reported at attach."""
         return str(self.lanes[0].client.info.get("model_dtype", "float32"))
 
     def stats(self) -> dict[str, Any]:
@@ -123,6 +123,8 @@ class Engine:
                 "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.stepper.step_count,
                 "devices": [f"{lane.client.info.get('device', '?')}:{lane.client.info.get('device_id', '?')}"
                             for lane in self.lanes],
+                "memory": [{k: lane.client.info.get(k) for k in ("weight_bytes", "kv_cache_bytes", "kernels")}
+                           for lane in self.lanes],
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread

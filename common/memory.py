@@ -1,0 +1,210 @@
+"""How much memory a config needs, known before anything loads: weights in their dtype, the KV
+pool, a step's activations and the runtime, per agent, against what the host has. `pa_config.
+num_blocks: auto` sizes the pool from `serving_config.kv_cache_memory` (vLLM's KV-space idea) or
+from the memory left. Pure Python (the server uses it; it never imports MindSpore).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.model_files import ModelFiles, mindformers_yaml
+
+GiB = 1 << 30
+# An agent process with MindSpore imported and its graphs built, before weights and KV (measured
+# on SmolLM2 and on a 200 MB model: 400 MiB RSS after `import mindspore`, ~150 MiB more for graphs).
+RUNTIME_BYTES = 600 << 20
+AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_position: int = 4096
+
+    @property
+    def layer_params(self) -> int:
+        """Projection weights of one layer: Q|K|V, O, gate|up, down."""
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
+        return qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.inter
+
+
+def model_shape(files: ModelFiles) -> ModelShape:
+    """The model's dimensions from its config alone (config.json, GGUF metadata, MindFormers yaml)."""
+    if files.kind == "hf":
+        c = json.loads((files.path / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        return ModelShape(c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
+                          c.get("num_key_value_heads", heads), c.get("head_dim") or c["hidden_size"] // heads,
+                          c.get("max_position_embeddings", 4096))
+    if files.kind == "gguf":
+        return _gguf_shape(files.path)
+    mc = mindformers_yaml(Path(files.cfg_path)) if files.cfg_path else {}
+    mc = mc.get("model", {}).get("model_config", mc.get("model_config", mc))
+    hidden, heads = mc["hidden_size"], mc["num_heads"]
+    inter = mc.get("intermediate_size") or _llama_ffn(hidden, mc.get("multiple_of", 256), mc.get("ffn_dim_multiplier"))
+    return ModelShape(mc["vocab_size"], hidden, inter, mc["num_layers"], heads, mc.get("n_kv_heads") or heads,
+                      hidden // heads, mc.get("seq_length", 4096))
+
+
+def _llama_ffn(hidden: int, multiple_of: int, multiplier: float | None) -> int:
+    """Llama's FFN width when a MindFormers yaml does not state it (4096 -> 11008)."""
+    inner = int(2 * 4 * hidden / 3)
+    if multiplier:
+        inner = int(multiplier * inner)
+    return multiple_of * -(-inner // multiple_of)
+
+
+def _gguf_shape(path: Path) -> ModelShape:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    f = reader.fields
+
+    def get(key: str, default: Any = None) -> Any:
+        return f[key].contents() if key in f else default
+
+    hidden, heads = get("llama.embedding_length"), get("llama.attention.head_count")
+    vocab = get("llama.vocab_size") or len(f["tokenizer.ggml.tokens"].data)
+    return ModelShape(vocab, hidden, get("llama.feed_forward_length"), get("llama.block_count"), heads,
+                      get("llama.attention.head_count_kv", heads), hidden // heads, get("llama.context_length", 4096))
+
+
+def parse_bytes(value: Any) -> int:
+    """A byte count: an integer, or a string such as "8GiB", "512 MiB", "20G" (G = GiB, as vLLM's)."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(value)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def weight_bytes(s: ModelShape, dtype: str, native: bool = True) -> int:
+    """The weights as agent.layers stores them: projections and LM head in `dtype` (int8: plus a
+    float32 scale per 64 inputs), the embedding and rope tables in float32; the plain-MindSpore path
+    (devices other than CPU) keeps each projection in two layouts."""
+    per = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
+    copies = 1 if native else 2
+    projections = s.layers * s.layer_params * per * copies
+    head = s.vocab * s.hidden * per
+    return int(projections + head + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
+
+
+def kv_block_bytes(s: ModelShape, block_size: int) -> int:
+    """One KV block over all layers: K and V, float32."""
+    return 2 * s.layers * s.kv_heads * s.head_dim * 4 * block_size
+
+
+def activation_bytes(s: ModelShape, tokens: int, logit_rows: int) -> int:
+    """A step's live tensors at its largest token bucket: residual, norm, Q|K|V, attention output
+    and gate|up of one layer at a time (MindSpore frees each layer's as the next runs), and the
+    logits; doubled for the buffers MindSpore keeps between ops."""
+    per_token = 3 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim + 3 * s.inter
+    return 2 * 4 * (tokens * per_token + 2 * logit_rows * s.vocab)
+
+
+def available_bytes() -> int | None:
+    """Memory the host can still give (MemAvailable), or None where it cannot be read."""
+    try:
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per agent, and what `agents` of them on this host need against what it has."""
+
+    weights: int
+    kv: int
+    activations: int
+    runtime: int
+    agents: int
+    available: int | None
+    num_blocks: int
+    device: str = "CPU"
+
+    @property
+    def per_agent(self) -> int:
+        return self.weights + self.kv + self.activations + self.runtime
+
+    @property
+    def total(self) -> int:
+        return self.per_agent * self.agents
+
+    def refusal(self) -> str | None:
+        """Why this cannot fit, in one line, or None (also None where the host's memory is unknown)."""
+        if self.device != "CPU" or self.available is None or self.total <= self.available:
+            return None
+        return (f"the config needs {gib(self.total)} ({self.agents} agent(s) x {gib(self.per_agent)}: weights "
+                f"{gib(self.weights)}, KV cache {gib(self.kv)} ({self.num_blocks} blocks), activations "
+                f"{gib(self.activations)}, runtime {gib(self.runtime)}) and this host has {gib(self.available)} "
+                "available: use model_dtype bfloat16 or int8, fewer pa_config.num_blocks (or num_blocks: auto), "
+                "or fewer agents")
+
+    def describe(self) -> str:
+        where = "device memory is not checked from here" if self.device != "CPU" else (
+            "available: unknown" if self.available is None else f"available: {gib(self.available)}")
+        return "\n".join([
+            f"per agent: {gib(self.per_agent)}",
+            f"  weights      {gib(self.weights)}",
+            f"  KV cache     {gib(self.kv)} ({self.num_blocks} blocks)",
+            f"  activations  {gib(self.activations)} (largest step)",
+            f"  runtime      {gib(self.runtime)}",
+            f"agents on this host: {self.agents}; total {gib(self.total)}; {where}",
+            "fits" if self.refusal() is None else f"does not fit: {self.refusal()}"])
+
+
+def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available: int | None) -> int:
+    """`num_blocks: auto`: `kv_cache_memory` bytes of blocks when set; else AUTO_KV_SHARE of what is
+    left per agent after `fixed` (weights, activations, runtime), capped at every running sequence
+    at full length; where the host's memory is unknown (other devices), that cap."""
+    per_block = kv_block_bytes(shape, cfg.block_size)
+    want = cfg.max_running * cfg.max_blocks_per_seq + 1
+    if cfg.kv_cache_memory:
+        budget = cfg.kv_cache_memory
+    elif cfg.device != "CPU" or available is None:
+        budget = want * per_block
+    else:
+        budget = min(want * per_block, int(AUTO_KV_SHARE * (available / max(agents, 1) - fixed)))
+    blocks = int(max(budget, 0) // per_block)
+    need = cfg.max_blocks_per_seq + 1
+    if blocks < need:
+        from common.config import ConfigError
+
+        raise ConfigError(f"pa_config.num_blocks auto: {gib(max(budget, 0))} of KV space holds {blocks} blocks of "
+                          f"{per_block >> 10} KiB; one sequence of decode_seq_length {cfg.max_model_len} needs {need} "
+                          f"({gib(need * per_block)}): set serving_config.kv_cache_memory, or use less memory elsewhere")
+    return blocks
+
+
+def plan(cfg: Any, files: ModelFiles, agents: int) -> MemoryPlan:
+    """The memory plan of `cfg` with `agents` agents on this host; resolves `num_blocks: auto` (0)
+    into cfg.num_blocks."""
+    shape = model_shape(files)
+    weights = weight_bytes(shape, cfg.model_dtype, native=cfg.device == "CPU")
+    activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
+    available = available_bytes()
+    if not cfg.num_blocks:
+        cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + RUNTIME_BYTES, available)
+    return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size), activations, RUNTIME_BYTES,
+                      agents, available, cfg.num_blocks, cfg.device)
