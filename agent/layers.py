@@ -24,6 +24,8 @@ from agent.quant import Int8Rows
 WIDE_ROWS = 96
 BF16_BLOCK = 64  # output columns per bf16 weight block (agent/kernels/linear_bf16.cpp)
 DTYPES = ("float32", "bfloat16", "int8")
+# KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16)
+KV_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
 
 
 def param(name: str, arr: np.ndarray) -> Parameter:
@@ -203,6 +205,7 @@ class Backend:
 
     dtype: str = "float32"
     lib: str | None = None
+    kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32
     int8_group: int = 64
     ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
 
@@ -212,9 +215,17 @@ class Backend:
         if self.dtype != "float32" and self.lib is None:
             raise ValueError(f"model_dtype {self.dtype} needs the native kernels (a C++ compiler, LLM_SERVING_NATIVE "
                              "not 0, a CPU device); the plain-MindSpore path runs float32 only")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)} or auto")
+        if self.kv_dtype != "float32" and self.lib is None:
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads 16-bit "
+                             "KV there); the plain-MindSpore path keeps float32")
 
     def kernels(self, cfg: Any) -> dict[str, Any]:
-        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads, cfg.head_dim) if self.lib else {}
+        if self.lib is None:
+            return {}
+        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads, cfg.head_dim,
+                          ms.pytype_to_dtype(KV_DTYPES[self.kv_dtype]))
 
     def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
         return NativeNorms(cfg.rms_eps, k) if self.lib else PlainNorms(cfg.rms_eps, cfg.intermediate_size)

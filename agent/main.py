@@ -308,7 +308,8 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                       token_buckets=cfg.token_buckets, max_rows=cfg.max_running,
                       mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows,
-                      model_dtype=cfg.model_dtype, int8_group=cfg.quant_group_size)
+                      model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                      int8_group=cfg.quant_group_size)
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
                                         key=compile_cache_key(model_cfg, rc), device_id=device_id)
@@ -326,7 +327,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
             "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
             "device": device, "device_id": device_id,
             "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
-            "kv_cache_bytes": runner.model.kv_cache_bytes,
+            "kv_cache_bytes": runner.model.kv_cache_bytes, "kv_cache_dtype": runner.kv_dtype,
             "launcher_pid": owner_pid, "kernels": runner.kernel_paths}  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))

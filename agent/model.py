@@ -16,7 +16,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agent.layers import WIDE_ROWS, Backend, param
+from agent.layers import KV_DTYPES, WIDE_ROWS, Backend, param
 from agent.projections import embedding
 
 
@@ -77,7 +77,8 @@ def rope_tables(cfg: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
 class LlamaModel(nn.Cell):
     """Weights are Hugging Face-named numpy arrays (``model.layers.0.self_attn.q_proj.weight``...):
     float32, or agent.quant.Int8Rows where the file held int8. `backend` (agent.layers.Backend) picks
-    the projections' format and kernels once; norms, rope, attention, KV cache and logits are fp32."""
+    the projections' format, the KV cache's dtype and the kernels once; norms, rope, attention and
+    logits compute in fp32."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Any], num_slots: int, block_size: int,
                  backend: Backend | None = None):
@@ -92,9 +93,9 @@ class LlamaModel(nn.Cell):
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
-        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = ms.ParameterTuple([param(f"k_cache{i}", np.zeros(shape, np.float32)) for i in range(cfg.num_layers)])
-        self.v_cache = ms.ParameterTuple([param(f"v_cache{i}", np.zeros(shape, np.float32)) for i in range(cfg.num_layers)])
+        shape, kv_type = (num_slots, cfg.num_kv_heads, cfg.head_dim), KV_DTYPES[backend.kv_dtype]
+        self.k_cache = ms.ParameterTuple([param(f"k_cache{i}", np.zeros(shape, kv_type)) for i in range(cfg.num_layers)])
+        self.v_cache = ms.ParameterTuple([param(f"v_cache{i}", np.zeros(shape, kv_type)) for i in range(cfg.num_layers)])
 
     @property
     def weight_bytes(self) -> int:

@@ -22,6 +22,7 @@ from agent.calibrate import activation_ranges
 from agent.layers import Backend
 from agent.model import LlamaConfig, LlamaModel
 from agent.sampling import needs_penalty, sample
+from common.memory import kv_dtype_for
 from shm.step import SamplingColumns, StepInputs, StepView
 
 log = logging.getLogger("llm_serving.agent")
@@ -46,6 +47,7 @@ class RunnerConfig:
     prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
     model_dtype: str = "float32"  # or "bfloat16" / "int8" projections (agent.layers; need the native kernels)
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (common.config.kv_dtype_for)
     int8_group: int = 64  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
 
     def __post_init__(self) -> None:
@@ -80,7 +82,7 @@ class RunnerConfig:
 def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
     exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
-    return f"{model_cfg}|{rc.model_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
+    return f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
 
 
 def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
@@ -130,7 +132,9 @@ class ModelRunner:
         self.native_kernels = lib is not None
         int8 = rc.model_dtype == "int8"
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
-        backend = Backend(rc.model_dtype, lib, rc.int8_group, ranges)
+        backend = Backend(rc.model_dtype, lib, kv_dtype_for(rc.kv_cache_dtype, rc.model_dtype, lib is not None),
+                          rc.int8_group, ranges)
+        self.kv_dtype = backend.kv_dtype
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype)
         self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.rng = np.random.default_rng(seed)

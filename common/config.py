@@ -22,6 +22,9 @@ def model_dtype(value: Any) -> str:
     return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float32"
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def _as_list(v: Any) -> list[int]:
     items = v if isinstance(v, (list, tuple)) else [v]
     if any(isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()) for x in items):
@@ -45,6 +48,7 @@ class ServingConfig:
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
     model_dtype: str = "float32"  # "bfloat16": 16-bit projection weights; "int8": W8A8 (agent/layers.py)
+    kv_cache_dtype: str = "auto"  # ours (vLLM's): auto (the model's compute dtype), float32, bfloat16, float16
     quant_group_size: int = 64  # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 scales per row
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
@@ -218,6 +222,7 @@ RANGES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("max_header_bytes", "serving_config.max_header_bytes", lambda v: v >= 1024, ">= 1024"),
     ("http_header_timeout_s", "serving_config.http_header_timeout_s", lambda v: v > 0, "> 0 seconds"),
     ("http_keepalive_timeout_s", "serving_config.http_keepalive_timeout_s", lambda v: v >= 1, ">= 1 second"),
+    ("kv_cache_dtype", "model_config.kv_cache_dtype", lambda v: v in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES)),
     ("num_blocks", "pa_config.num_blocks", lambda v: v == 0 or v >= 2, ">= 2 (block 0 is reserved) or auto"),
     ("kv_cache_memory", "serving_config.kv_cache_memory", lambda v: v >= 0, "a byte count such as 8GiB"),
     ("block_size", "pa_config.block_size", lambda v: v >= 1, ">= 1"),
@@ -295,6 +300,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     c.vocab_size = _convert(mc, "model_config", "vocab_size", int, None)
     c.model_dtype = model_dtype(mc.get("model_dtype"))
     c.quant_group_size = _convert(mc, "model_config", "quant_group_size", int, c.quant_group_size)
+    c.kv_cache_dtype = str(mc.get("kv_cache_dtype", c.kv_cache_dtype)).lower()
     # The original ignored model_config.batch_waiting_time; we honour both places.
     c.prefill_batch_waiting_time = _convert(sc, "serving_config", "prefill_batch_waiting_time", float,
                                             _convert(mc, "model_config", "batch_waiting_time", float, 0.0))

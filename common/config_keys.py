@@ -13,7 +13,7 @@ HONOURED: dict[str, set[str]] = {
                      "vocab_size", "prefill_batch_size", "decode_batch_size", "batch_waiting_time",
                      "decode_batch_waiting_time", "batching_strategy", "page_attention", "model_dtype", "backend",
                      # ours
-                     "quant_group_size"},
+                     "quant_group_size", "kv_cache_dtype"},
     "serving_config": {"agent_ports", "agent_ip", "start_device_id", "server_ip", "server_port",
                        "prefill_batch_waiting_time", "decode_batch_waiting_time",
                        # ours

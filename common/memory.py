@@ -81,6 +81,16 @@ def _gguf_shape(path: Path) -> ModelShape:
                       get("llama.attention.head_count_kv", heads), hidden // heads, get("llama.context_length", 4096))
 
 
+def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
+    """The KV cache's dtype: `auto` is the model's compute dtype (bfloat16 for bfloat16 weights,
+    else float32); 16-bit caches need the native kernels (else float32)."""
+    if not native:
+        return "float32"
+    if kv_cache_dtype == "auto":
+        return "bfloat16" if model_dtype == "bfloat16" else "float32"
+    return kv_cache_dtype
+
+
 def parse_bytes(value: Any) -> int:
     """A byte count: an integer, or a string such as "8GiB", "512 MiB", "20G" (G = GiB, as vLLM's)."""
     if isinstance(value, bool):
@@ -104,9 +114,9 @@ def weight_bytes(s: ModelShape, dtype: str, native: bool = True) -> int:
     return int(projections + head + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
 
 
-def kv_block_bytes(s: ModelShape, block_size: int) -> int:
-    """One KV block over all layers: K and V, float32."""
-    return 2 * s.layers * s.kv_heads * s.head_dim * 4 * block_size
+def kv_block_bytes(s: ModelShape, block_size: int, dtype: str = "float32") -> int:
+    """One KV block over all layers: K and V in the cache's dtype."""
+    return 2 * s.layers * s.kv_heads * s.head_dim * (4 if dtype == "float32" else 2) * block_size
 
 
 def activation_bytes(s: ModelShape, tokens: int, logit_rows: int) -> int:
@@ -178,7 +188,7 @@ def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available:
     """`num_blocks: auto`: `kv_cache_memory` bytes of blocks when set; else AUTO_KV_SHARE of what is
     left per agent after `fixed` (weights, activations, runtime), capped at every running sequence
     at full length; where the host's memory is unknown (other devices), that cap."""
-    per_block = kv_block_bytes(shape, cfg.block_size)
+    per_block = kv_block_bytes(shape, cfg.block_size, kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU"))
     want = cfg.max_running * cfg.max_blocks_per_seq + 1
     if cfg.kv_cache_memory:
         budget = cfg.kv_cache_memory
@@ -206,5 +216,6 @@ def plan(cfg: Any, files: ModelFiles, agents: int) -> MemoryPlan:
     available = available_bytes()
     if not cfg.num_blocks:
         cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + RUNTIME_BYTES, available)
-    return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size), activations, RUNTIME_BYTES,
+    kv_dtype = kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU")
+    return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size, kv_dtype), activations, RUNTIME_BYTES,
                       agents, available, cfg.num_blocks, cfg.device)

@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "int8"], help="model_config.model_dtype")
+    ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model_config.kv_cache_dtype")
     ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files (as llm-serving's)")
     ap.add_argument("--device", choices=["CPU", "Ascend", "GPU"], help="serving_config.device")
     ap.add_argument("--bind", metavar="ADDR", help="where the agents listen (e.g. 0.0.0.0 in a pod), instead of "
@@ -192,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     agent_env(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # agents reload the config with these
-    overrides = {k: v for k, v in (("model_dtype", args.model_dtype), ("agent_bind", args.bind),
+    overrides = {k: v for k, v in (("model_dtype", args.model_dtype), ("kv_cache_dtype", args.kv_cache_dtype),
+                                   ("agent_bind", args.bind),
                                    ("device", args.device)) if v}
     try:
         cfg = load_config(args.config, **overrides)

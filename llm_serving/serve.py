@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "int8"],
                     help="model_config.model_dtype: bfloat16 keeps projection and LM head weights 16-bit, "
                          "int8 runs them as W8A8")
+    ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model_config.kv_cache_dtype: auto = the model's compute dtype (bfloat16 with bfloat16 weights)")
     ap.add_argument("--device", choices=["CPU", "Ascend", "GPU"], help="serving_config.device: where the agents "
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "server_ip", "server_port", "overlap_steps",
+    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port", "overlap_steps",
                                                "device")
                  if getattr(args, k) is not None}
     started = time.monotonic()

@@ -1,8 +1,10 @@
-"""bfloat16 weights (agent/kernels/linear_bf16.cpp through agent.layers.Bf16Linear): every kernel path
-against float64 NumPy on the same bf16 values, including the paths this CPU does not take by itself
-(the AVX2 build, and oneDNN limited to AVX2 so it has no bf16 math); the tiny model against the
-float64 reference of its fp32 weights within bf16's tolerance, batch 1 equal to batch N; SmolLM2's
-perplexity within 1% of fp32 at half the projection bytes."""
+"""bfloat16 weights (agent/kernels/linear_bf16.cpp through agent.layers.Bf16Linear) and 16-bit KV
+caches (kv_cache_dtype; agent/kernels/paged_attention.cpp reads them): every kernel path against
+float64 NumPy on the same bf16 values, including the paths this CPU does not take by itself (the
+AVX2 build, and oneDNN limited to AVX2 so it has no bf16 math); the tiny model against the float64
+reference of its fp32 weights within the 16-bit tolerance, batch 1 equal to batch N, for bf16
+weights (KV auto = bf16) and for fp32 weights with a bf16 or fp16 cache; SmolLM2's perplexity
+within 1% of fp32 at half the projection bytes."""
 from __future__ import annotations
 
 import os
@@ -83,21 +85,30 @@ def test_avx2_build_without_onednn_bf16(tmp_path):
     assert "AVX2" in out.stdout and "converted to fp32" in out.stdout, out.stdout
 
 
-@pytest.fixture(scope="module")
-def bf16_runner(tiny_weights):
-    return make_runner(tiny_weights, 16, dtype="bfloat16")
+# (weights, KV cache, relative logit tolerance): bf16 rounds to 8 significant bits, fp16 to 11.
+VARIANTS = [("bfloat16", "auto", 8 * BF16_REL), ("float32", "bfloat16", 8 * BF16_REL), ("float32", "float16", 2.0 ** -8)]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[f"{w}-weights-{kv}-kv" for w, kv, _ in VARIANTS])
+def bf16_runner(request, tiny_weights):
+    dtype, kv, rel = request.param
+    runner = make_runner(tiny_weights, 16, dtype=dtype, kv_dtype=kv)
+    assert runner.kv_dtype == ("bfloat16" if kv == "auto" else kv)
+    assert runner.model.k_cache[0].asnumpy().dtype == {"bfloat16": np.uint16, "float16": np.float16}[runner.kv_dtype]
+    runner.rel_tol = rel
+    return runner
 
 
 def test_tiny_model_tracks_the_float64_reference(bf16_runner, tiny_weights):
-    """Logits within bf16's error of the float64 forward of the fp32 weights (teacher-forced on the
-    tokens the model chose), and each greedy token the reference's argmax wherever the reference's
-    top two are further apart than that error."""
+    """Logits within the 16-bit error of the float64 forward of the fp32 weights (teacher-forced on
+    the tokens the model chose), and each greedy token the reference's argmax wherever the
+    reference's top two are further apart than that error."""
     seqs, logits = PagedDriver(bf16_runner).run(PROMPTS, 16)
     cfg = tiny_model_config()
     for prompt, seq, got in zip(PROMPTS, seqs, logits):
         want = reference_logits(cfg, tiny_weights, seq[:-1])[len(prompt) - 1:]
         err = np.abs(np.stack(got) - want).max(-1)
-        tol = 8 * BF16_REL * np.abs(want).max(-1)  # measured: at most ~1.5 BF16_REL of the largest logit
+        tol = bf16_runner.rel_tol * np.abs(want).max(-1)  # measured: bf16 weights at most ~1.5 BF16_REL
         assert np.all(err <= tol), (err / np.abs(want).max(-1)).max()
         top2 = np.sort(want, -1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 2 * tol
@@ -113,6 +124,13 @@ def test_batch_one_equals_batch_four(bf16_runner):
     for i, prompt in enumerate(PROMPTS):
         single, _ = PagedDriver(bf16_runner).run([prompt], 12, collect_logits=False)
         assert single[0] == batched[i]
+
+
+def test_16_bit_kv_without_native_kernels_is_refused_clearly():
+    from agent.layers import Backend
+
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs the native kernels"):
+        Backend("float32", None, "bfloat16")
 
 
 def test_smollm2_bf16_tracks_fp32():

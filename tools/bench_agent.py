@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=128, help="prefill chunk length")
     ap.add_argument("--repeat", type=int, default=3, help="calls per system per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--dtypes", default="float32", help="model dtypes to compare: float32, int8, int8:<group>")
+    ap.add_argument("--dtypes", default="float32", help="model dtypes to compare: float32, bfloat16, int8, "
+                    "int8:<group>; /<kv> picks the KV cache's dtype (bfloat16/float16/float32; default auto), e.g. "
+                    "float32/bfloat16")
     args = ap.parse_args(argv)
     variants = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
@@ -172,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     calibration = load_tokenizer(files).encode(CALIBRATION_TEXT)
     runners = {}
     for v in variants:
-        dtype, _, group = v.partition(":")
+        spec, _, kv = v.partition("/")
+        dtype, _, group = spec.partition(":")
         rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
                           token_buckets=batches + [args.prefill], max_rows=max(batches), model_dtype=dtype,
-                          int8_group=int(group or 64))
+                          kv_cache_dtype=kv or "auto", int8_group=int(group or 64))
         runners[v] = ModelRunner(cfg, weights, rc, calibration=calibration)
         print(f"{v}: weights {runners[v].model.weight_bytes / 2**20:.0f} MiB")
     arena = Arena.private(ArenaSpec(max(batches) + args.prefill, max(batches), per_seq))
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"CPU: {describe()}")
     for v in runners:
-        print(f"{v}: {runners[v].kernel_paths}")
+        print(f"{v}: {runners[v].kernel_paths}; KV cache {runners[v].kv_dtype}")
     print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
           f"decode context {args.context}, prefill chunk {args.prefill}")
     try:
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         have_torch = False
     print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'vs NumPy':>10}" + (f"{'torch':>14}{'vs torch':>10}"
                                                                              if have_torch else "")
-          + "".join(f"{v:>14}{'vs ' + variants[0]:>14}" for v in variants[1:]))
+          + "".join(f"{v:>18}{'vs ' + variants[0]:>14}" for v in variants[1:]))
 
     def report(name: str, ms_fns: list[Callable[[], object]], ref: NumpyLlama, toks: np.ndarray, start: int,
                per_token: int = 0) -> None:
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         line = f"{name:<22}{fmt(t['ms'])}{fmt(t['np'])}{t['np'] / t['ms']:>9.2f}x"
         if have_torch:
             line += f"{fmt(t['torch'])}{t['torch'] / t['ms']:>9.2f}x"
-        line += "".join(f"{fmt(t[v]):>14}{t['ms'] / t[v]:>13.2f}x" for v in variants[1:])
+        line += "".join(f"{fmt(t[v]):>18}{t['ms'] / t[v]:>13.2f}x" for v in variants[1:])
         print(line, flush=True)
 
     for b in batches:

@@ -114,10 +114,11 @@ def kernel_paths(lib: str | None, dtype: str) -> str:
     return fn().decode()
 
 
-def custom_ops(lib: str, q_size: int, kv: int, hd: int) -> dict[str, Any]:
+def custom_ops(lib: str, q_size: int, kv: int, hd: int, kv_dtype: Any) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32 on oneDNN's sgemm,
     bf16, int8 alone or fused with the norm / SwiGLU feeding it), paged attention reading the cache
-    by slot, and RMSNorm / rope / SwiGLU each as one op instead of 4-5."""
+    by slot, and RMSNorm / rope / SwiGLU each as one op instead of 4-5. `kv_dtype`: the MindSpore
+    dtype the KV cache is stored in (rope writes k and v in it)."""
     from mindspore import ops
 
     def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
@@ -136,5 +137,5 @@ def custom_ops(lib: str, q_size: int, kv: int, hd: int) -> dict[str, Any]:
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
         "rope": custom("Rope", lambda qkv, *_: ([qkv[0], q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
-                       lambda qkv, *_: (qkv, qkv, qkv)),
+                       lambda qkv, *_: (qkv, kv_dtype, kv_dtype)),
     }

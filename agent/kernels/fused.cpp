@@ -1,6 +1,7 @@
 // Element-wise chains of the decoder layer fused into single MindSpore CPU custom ops: each builtin
 // kernel costs tens of microseconds of dispatch whatever its size, and a decode step at small
 // batch is mostly such small kernels (RMSNorm alone is 5 of them, rotary embedding 5, SwiGLU 4).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -44,16 +45,24 @@ extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, c
   return 0;
 }
 
-// Rotary embedding (rotate-half layout) on the query and key heads of the fused Q|K|V projection,
-// split into q, k, v. Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables [max_position, hd],
-// positions [n] int32. Outputs: q [n, h * hd], k [n, kv, hd], v [n, kv, hd].
-extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                    void *extra) {
-  if (nparam != 7 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32")) return 1;
+namespace {
+
+// k and v are written in the KV cache's dtype: float32, bfloat16 bits (uint16) or float16.
+inline void put(float x, float *d) { *d = x; }
+inline void put(float x, _Float16 *d) { *d = static_cast<_Float16>(x); }
+inline void put(float x, uint16_t *d) {  // bfloat16, rounded to nearest even
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  *d = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+template <typename T>
+int rope(void **params, int64_t **shapes) {
   const float *qkv = static_cast<const float *>(params[0]);
   const float *cos = static_cast<const float *>(params[1]), *sin = static_cast<const float *>(params[2]);
   const int32_t *pos = static_cast<const int32_t *>(params[3]);
-  float *q = static_cast<float *>(params[4]), *k = static_cast<float *>(params[5]), *v = static_cast<float *>(params[6]);
+  float *q = static_cast<float *>(params[4]);
+  T *k = static_cast<T *>(params[5]), *v = static_cast<T *>(params[6]);
   const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0];
   const int64_t kv = shapes[5][1], hd = shapes[5][2], half = hd / 2;
   const int64_t qw = shapes[4][1], kw = kv * hd;
@@ -61,20 +70,38 @@ extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, con
   for (int64_t r = 0; r < n; ++r) {
     const int64_t p = std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
     const float *c = cos + p * hd, *s = sin + p * hd, *src = qkv + r * width;
-    float *dst[2] = {q + r * qw, k + r * kw};
-    const int64_t heads[2] = {qw / hd, kv};
-    for (int t = 0; t < 2; ++t) {
-      for (int64_t h = 0; h < heads[t]; ++h, src += hd) {
-        float *o = dst[t] + h * hd;
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = src[i] * c[i] - src[i + half] * s[i];
-          o[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
-        }
+    for (int64_t h = 0; h < qw / hd; ++h, src += hd) {
+      float *o = q + r * qw + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        o[i] = src[i] * c[i] - src[i + half] * s[i];
+        o[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
       }
     }
-    std::memcpy(v + r * kw, src, sizeof(float) * kw);
+    for (int64_t h = 0; h < kv; ++h, src += hd) {
+      T *o = k + r * kw + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        put(src[i] * c[i] - src[i + half] * s[i], o + i);
+        put(src[i + half] * c[i + half] + src[i] * s[i + half], o + i + half);
+      }
+    }
+    for (int64_t i = 0; i < kw; ++i) put(src[i], v + r * kw + i);
   }
   return 0;
+}
+
+}  // namespace
+
+// Rotary embedding (rotate-half layout) on the query and key heads of the fused Q|K|V projection,
+// split into q, k, v; k and v in the KV cache's dtype, ready for its scatter. Inputs: qkv
+// [n, (h + 2 kv) * hd], cos/sin tables [max_position, hd], positions [n] int32. Outputs: q
+// [n, h * hd] float32, k [n, kv, hd], v [n, kv, hd] (float32, uint16 bfloat16 bits or float16).
+extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                    void *extra) {
+  if (nparam != 7 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32")) return 1;
+  if (f32(dtypes[5])) return rope<float>(params, shapes);
+  if (!std::strcmp(dtypes[5], "uint16")) return rope<uint16_t>(params, shapes);
+  if (!std::strcmp(dtypes[5], "float16")) return rope<_Float16>(params, shapes);
+  return 1;
 }
 
 // The residual add and the RMSNorm that follows it. Inputs: x [n, d], delta [n, d], eps [1].

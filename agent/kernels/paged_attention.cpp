@@ -5,10 +5,17 @@
 // prefill chunk) gather each KV head's context once per block of queries and run scores and the
 // weighted sum of V as two GEMMs per query head (dot products per key were 1.4x slower there).
 //
-// Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd],
+// The KV cache is float32, bfloat16 (uint16 bits) or float16 (kv_cache_dtype): keys and values are
+// widened to fp32 as they are loaded, all arithmetic is fp32.
+//
+// Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd] (T),
 // ctx_slots [R, C] (cache slot of each context position of each sequence), token_rows [N] (the
 // sequence of each token; a sequence's tokens are contiguous), positions [N] (token n sees context
 // positions 0..positions[n]). Output [N, H*hd].
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,8 +27,14 @@
 
 namespace {
 
+struct Bf16 {
+  uint16_t bits;
+};
+
+template <typename T>
 struct Args {
-  const float *q, *kc, *vc;
+  const float *q;
+  const T *kc, *vc;
   const int32_t *slots, *rows, *pos;
   float *out;
   int64_t n, kv, hd, grp, ctx;
@@ -30,14 +43,35 @@ struct Args {
 
 // 8 floats: one AVX register, two NEON registers; GCC/Clang vector extensions keep this portable.
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef _Float16 f16x8 __attribute__((vector_size(16), aligned(2)));
 constexpr int64_t KEYS = 4;  // keys scored together: independent FMA chains hide their latency
 
 inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 inline v8 load(const float *p) { return *reinterpret_cast<const v8 *>(p); }
+inline v8 load(const Bf16 *p) {  // bf16 -> fp32: the bits in the upper half
+  return reinterpret_cast<v8>(__builtin_convertvector(*reinterpret_cast<const u16x8 *>(p), u32x8) << 16);
+}
+inline v8 load(const _Float16 *p) {
+#if defined(__F16C__)  // one vcvtph2ps; GCC 12 converts the generic vector element by element
+  return reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const f16x8 *>(p), v8);
+#endif
+}
+inline float widen(float x) { return x; }
+inline float widen(_Float16 x) { return static_cast<float>(x); }
+inline float widen(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // Scores of one query head against context keys [0, len) of KV head g.
-template <int64_t HD>
-void score(const float *q, const float *kc, const int32_t *slots, int64_t len, int64_t stride, float *s) {
+template <int64_t HD, typename T>
+void score(const float *q, const T *kc, const int32_t *slots, int64_t len, int64_t stride, float *s) {
   v8 qv[HD / 8];
   for (int64_t i = 0; i < HD / 8; ++i) qv[i] = load(q + 8 * i);
   int64_t j = 0;
@@ -58,11 +92,11 @@ void score(const float *q, const float *kc, const int32_t *slots, int64_t len, i
 }
 
 // o = sum_j p[j] * V[j] for one head, with the output row held in registers.
-template <int64_t HD>
-void weigh(const float *p, const float *vc, const int32_t *slots, int64_t len, int64_t stride, float *o) {
+template <int64_t HD, typename T>
+void weigh(const float *p, const T *vc, const int32_t *slots, int64_t len, int64_t stride, float *o) {
   v8 acc[HD / 8] = {};
   for (int64_t j = 0; j < len; ++j) {
-    const float *v = vc + slots[j] * stride;
+    const T *v = vc + slots[j] * stride;
     if (j + 16 < len)
       for (int64_t i = 0; i < HD; i += 16) __builtin_prefetch(vc + slots[j + 16] * stride + i);
     for (int64_t i = 0; i < HD / 8; ++i) acc[i] += p[j] * load(v + 8 * i);
@@ -78,8 +112,8 @@ void softmax(float *s, int64_t len) {
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
 
-template <int64_t HD>
-void attend_rows(const Args &a, int64_t begin, int64_t end) {
+template <int64_t HD, typename T>
+void attend_rows(const Args<T> &a, int64_t begin, int64_t end) {
   const int64_t kv = a.kv, heads = kv * a.grp, width = heads * HD, stride = kv * HD;
   std::vector<float> s(a.ctx);
   for (int64_t row = begin; row < end; ++row) {
@@ -95,29 +129,32 @@ void attend_rows(const Args &a, int64_t begin, int64_t end) {
 }
 
 // Any other head size: plain loops.
-void attend_any(const Args &a, int64_t begin, int64_t end) {
+template <typename T>
+void attend_any(const Args<T> &a, int64_t begin, int64_t end) {
   const int64_t hd = a.hd, kv = a.kv, heads = kv * a.grp, width = heads * hd, stride = kv * hd;
   std::vector<float> s(a.ctx);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
     const int32_t *slots = a.row_slots(row);
     for (int64_t h = 0; h < heads; ++h) {
-      const float *q = a.q + row * width + h * hd, *kc = a.kc + (h / a.grp) * hd, *vc = a.vc + (h / a.grp) * hd;
+      const float *q = a.q + row * width + h * hd;
+      const T *kc = a.kc + (h / a.grp) * hd, *vc = a.vc + (h / a.grp) * hd;
       for (int64_t j = 0; j < len; ++j) {
         float acc = 0.f;
-        for (int64_t d = 0; d < hd; ++d) acc += q[d] * kc[slots[j] * stride + d];
+        for (int64_t d = 0; d < hd; ++d) acc += q[d] * widen(kc[slots[j] * stride + d]);
         s[j] = acc;
       }
       softmax(s.data(), len);
       float *o = a.out + row * width + h * hd;
       std::fill(o, o + hd, 0.f);
       for (int64_t j = 0; j < len; ++j)
-        for (int64_t d = 0; d < hd; ++d) o[d] += s[j] * vc[slots[j] * stride + d];
+        for (int64_t d = 0; d < hd; ++d) o[d] += s[j] * widen(vc[slots[j] * stride + d]);
     }
   }
 }
 
-inline int64_t visible(const Args &a, int64_t row) {
+template <typename T>
+inline int64_t visible(const Args<T> &a, int64_t row) {
   return std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
 }
 
@@ -125,7 +162,8 @@ constexpr int64_t QUERY_BLOCK = 32;  // queries per GEMM task: causal blocks sto
 constexpr int64_t GEMM_MIN_QUERIES = 8;
 
 // Queries [t0, t1) of one sequence against KV head g, for the grp query heads that share it.
-void attend_gemm(const Args &a, int64_t t0, int64_t t1, int64_t g) {
+template <typename T>
+void attend_gemm(const Args<T> &a, int64_t t0, int64_t t1, int64_t g) {
   const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.kv * hd, m = t1 - t0;
   int64_t len = 0;
   for (int64_t t = t0; t < t1; ++t) len = std::max(len, visible(a, t));
@@ -135,8 +173,11 @@ void attend_gemm(const Args &a, int64_t t0, int64_t t1, int64_t g) {
   s.resize(m * len);
   const int32_t *slots = a.row_slots(t0);
   for (int64_t j = 0; j < len; ++j) {
-    std::memcpy(&keys[j * hd], a.kc + slots[j] * stride + g * hd, hd * sizeof(float));
-    std::memcpy(&vals[j * hd], a.vc + slots[j] * stride + g * hd, hd * sizeof(float));
+    const T *k = a.kc + slots[j] * stride + g * hd, *v = a.vc + slots[j] * stride + g * hd;
+    for (int64_t d = 0; d < hd; ++d) {
+      keys[j * hd + d] = widen(k[d]);
+      vals[j * hd + d] = widen(v[d]);
+    }
   }
   for (int64_t h = g * a.grp; h < (g + 1) * a.grp; ++h) {
     dnnl_sgemm('N', 'T', m, len, hd, 1.f, a.q + t0 * width + h * hd, width, keys.data(), hd, 0.f, s.data(), len);
@@ -150,25 +191,21 @@ void attend_gemm(const Args &a, int64_t t0, int64_t t1, int64_t g) {
   }
 }
 
-void attend(const Args &a, int64_t begin, int64_t end) {
+template <typename T>
+void attend(const Args<T> &a, int64_t begin, int64_t end) {
   switch (a.hd) {
-    case 64: return attend_rows<64>(a, begin, end);
-    case 128: return attend_rows<128>(a, begin, end);
+    case 64: return attend_rows<64, T>(a, begin, end);
+    case 128: return attend_rows<128, T>(a, begin, end);
     default: return attend_any(a, begin, end);
   }
 }
 
-}  // namespace
-
-extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
-  if (nparam != 7 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[3], "int32") ||
-      std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32"))
-    return 1;
-  Args a{static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
-         static_cast<const float *>(params[2]), static_cast<const int32_t *>(params[3]),
-         static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
-         static_cast<float *>(params[6]), shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1]};
+template <typename T>
+int run(void **params, int64_t **shapes) {
+  Args<T> a{static_cast<const float *>(params[0]), static_cast<const T *>(params[1]),
+            static_cast<const T *>(params[2]), static_cast<const int32_t *>(params[3]),
+            static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
+            static_cast<float *>(params[6]), shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1]};
   a.grp = shapes[0][1] / (a.kv * a.hd);
   const int64_t n_rows = shapes[3][0];
   for (int64_t t = 0; t < a.n; ++t)
@@ -193,4 +230,17 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
     else attend_gemm(a, t.t0, t.t1, t.g);
   });
   return 0;
+}
+
+}  // namespace
+
+extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  if (nparam != 7 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], dtypes[2]) ||
+      std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32"))
+    return 1;
+  if (!std::strcmp(dtypes[1], "float32")) return run<float>(params, shapes);
+  if (!std::strcmp(dtypes[1], "uint16")) return run<Bf16>(params, shapes);  // bfloat16 bits
+  if (!std::strcmp(dtypes[1], "float16")) return run<_Float16>(params, shapes);
+  return 1;
 }
