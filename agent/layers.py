@@ -22,8 +22,8 @@ from agent.quant import Int8Rows
 # MindSpore CPU's MatMul is fastest with [in, out] weights for few rows and with [out, in] weights
 # (transpose_b) for many: ~2.5x either way. Graphs of at least this many tokens use the latter.
 WIDE_ROWS = 96
-BF16_BLOCK = 64  # output columns per bf16 weight block (agent/kernels/linear_bf16.cpp)
-DTYPES = ("float32", "bfloat16", "int8")
+BF16_BLOCK = 64  # output columns per 16-bit weight block (agent/kernels/linear_half.cpp)
+DTYPES = ("float32", "bfloat16", "float16", "int8")
 # KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16)
 KV_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
 
@@ -148,17 +148,21 @@ class DnnlLinear(Projection):
 
 
 class Bf16Linear(DnnlLinear):
-    """bf16 weights in column blocks [N/64, K, 64] (agent/kernels/linear_bf16.cpp): half the memory
+    """bf16 weights in column blocks [N/64, K, 64] (agent/kernels/linear_half.cpp): half the memory
     and bytes streamed per step; oneDNN's bf16 matmul for many rows where the CPU has AVX512-BF16 or
     AMX. Widths that are not a multiple of 64 are padded and the extra columns dropped."""
 
-    op_name = "linear_bf16"
+    op_name = "linear_half"
 
     @staticmethod
-    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
+    def half(mat: np.ndarray) -> np.ndarray:
+        return bf16_bits(mat)
+
+    @classmethod
+    def stored(cls, mat: np.ndarray) -> tuple[np.ndarray, ...]:
         n, k = mat.shape
         pad = -n % BF16_BLOCK
-        bits = bf16_bits(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
+        bits = cls.half(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
         return (np.ascontiguousarray(bits.reshape(-1, BF16_BLOCK, k).transpose(0, 2, 1)),)
 
     def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
@@ -169,6 +173,15 @@ class Bf16Linear(DnnlLinear):
     def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
         y = self.op(x, self.w0[i])
         return y[:, :self.width] if self.padded else y
+
+
+class F16Linear(Bf16Linear):
+    """float16 weights, same blocks and kernel; activations stay fp32 (f16's range would overflow
+    on large ones), weights widened as they are read."""
+
+    @staticmethod
+    def half(mat: np.ndarray) -> np.ndarray:
+        return np.asarray(mat, np.float16)
 
 
 class Int8Linear(DnnlLinear):
@@ -236,7 +249,7 @@ class Backend:
     def projection_cls(self, head: bool) -> type[Projection]:
         if self.lib is None:
             return PlainHead if head else PlainLinear
-        return {"float32": DnnlLinear, "bfloat16": Bf16Linear, "int8": Int8Linear}[self.dtype]
+        return {"float32": DnnlLinear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
 
     def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
                     k: dict[str, Any]) -> dict[str, Projection]:

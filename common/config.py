@@ -11,15 +11,15 @@ from typing import Any, Callable
 
 import yaml
 
-from common.config_keys import BFLOAT16, INT8, notices
+from common.config_keys import BFLOAT16, FLOAT16, INT8, notices
 from common.memory import parse_bytes
 
 
 def model_dtype(value: Any) -> str:
-    """The dtype the model runs in for a `model_dtype` value: "int8" or "bfloat16" for their
-    spellings, else float32 (other values are warned about by config_keys)."""
+    """The dtype the model runs in for a `model_dtype` value: "int8", "bfloat16" or "float16" for
+    their spellings, else float32 (other values are warned about by config_keys)."""
     v = str(value).lower()
-    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float32"
+    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float16" if v in FLOAT16 else "float32"
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,7 +47,7 @@ class ServingConfig:
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
-    model_dtype: str = "float32"  # "bfloat16": 16-bit projection weights; "int8": W8A8 (agent/layers.py)
+    model_dtype: str = "float32"  # "bfloat16"/"float16": 16-bit projection weights; "int8": W8A8 (agent/layers.py)
     kv_cache_dtype: str = "auto"  # ours (vLLM's): auto (the model's compute dtype), float32, bfloat16, float16
     quant_group_size: int = 64  # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 scales per row
     # serving_config

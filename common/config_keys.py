@@ -42,6 +42,7 @@ IGNORED: dict[tuple[str, str | None], str] = {
 FLOAT32 = ("float32", "fp32", "datatype.float32", "mstype.float32")
 INT8 = ("int8", "w8a8", "datatype.int8", "mstype.int8")
 BFLOAT16 = ("bfloat16", "bf16", "datatype.bfloat16", "mstype.bfloat16")
+FLOAT16 = ("float16", "fp16", "half", "datatype.float16", "mstype.float16")
 
 
 def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
@@ -50,9 +51,9 @@ def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
         out.append(f"model_config.batching_strategy {mc['batching_strategy']!r}: only continuous batching is served")
     if mc.get("page_attention", True) in (False, "False", "false"):
         out.append("model_config.page_attention False: the KV cache is always paged")
-    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32 + INT8 + BFLOAT16:
+    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32 + INT8 + BFLOAT16 + FLOAT16:
         out.append(f"model_config.model_dtype {mc['model_dtype']!r}: the model runs in float32 on this server "
-                   "(bfloat16 and int8 are the other choices)")
+                   "(bfloat16, float16 and int8 are the other choices)")
     if mc.get("backend") not in (None, "", "mindspore"):
         out.append(f"model_config.backend {mc['backend']!r}: this server runs its own MindSpore graph-mode Llama")
     decode_wait = sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0)) or 0

@@ -82,12 +82,12 @@ def _gguf_shape(path: Path) -> ModelShape:
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
-    """The KV cache's dtype: `auto` is the model's compute dtype (bfloat16 for bfloat16 weights,
-    else float32); 16-bit caches need the native kernels (else float32)."""
+    """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16), else float32;
+    16-bit caches need the native kernels (else float32)."""
     if not native:
         return "float32"
     if kv_cache_dtype == "auto":
-        return "bfloat16" if model_dtype == "bfloat16" else "float32"
+        return model_dtype if model_dtype in ("bfloat16", "float16") else "float32"
     return kv_cache_dtype
 
 
@@ -107,7 +107,7 @@ def weight_bytes(s: ModelShape, dtype: str, native: bool = True) -> int:
     """The weights as agent.layers stores them: projections and LM head in `dtype` (int8: plus a
     float32 scale per 64 inputs), the embedding and rope tables in float32; the plain-MindSpore path
     (devices other than CPU) keeps each projection in two layouts."""
-    per = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
+    per = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
     copies = 1 if native else 2
     projections = s.layers * s.layer_params * per * copies
     head = s.vocab * s.hidden * per

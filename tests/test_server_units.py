@@ -232,20 +232,21 @@ def test_unknown_and_unhonoured_config_keys_are_named(tmp_path):
     from common.config import load_config
 
     path = tmp_path / "c.yaml"
-    path.write_text("model_config:\n  batching_strategy: static\n  model_dtype: float16\n  mystery: 1\n"
+    path.write_text("model_config:\n  batching_strategy: static\n  model_dtype: float8\n  mystery: 1\n"
                     "serving_config:\n  decode_batch_waiting_time: 0.5\nextra_section: {}\n")
     notes = load_config(path).notices
     assert any("unknown key model_config.mystery" in n for n in notes)
     assert any("unknown section 'extra_section'" in n for n in notes)
     assert any("batching_strategy 'static'" in n for n in notes)
-    assert any("model_dtype 'float16'" in n for n in notes)
+    assert any("model_dtype 'float8'" in n for n in notes)
     assert any("decode steps never wait" in n for n in notes)
     assert load_config(path).model_dtype == "float32"
 
 
 @pytest.mark.parametrize("value,dtype", [("DataType.INT8", "int8"), ("int8", "int8"), ("w8a8", "int8"),
-                                         ("DataType.FLOAT32", "float32"), ("float16", "float32"),
-                                         ("DataType.BFLOAT16", "bfloat16"), ("bf16", "bfloat16")])
+                                         ("DataType.FLOAT32", "float32"), ("float8", "float32"),
+                                         ("DataType.BFLOAT16", "bfloat16"), ("bf16", "bfloat16"),
+                                         ("DataType.FLOAT16", "float16")])
 def test_model_dtype_spellings(tmp_path, value, dtype):
     from common.config import load_config
 
@@ -253,7 +254,7 @@ def test_model_dtype_spellings(tmp_path, value, dtype):
     path.write_text(f"model_config:\n  model_dtype: {value}\n")
     cfg = load_config(path)
     assert cfg.model_dtype == dtype
-    assert any("model_dtype" in n for n in cfg.notices) == (value == "float16")
+    assert any("model_dtype" in n for n in cfg.notices) == (value == "float8")
     with pytest.raises(ValueError, match="quant_group_size"):
         load_config(path, quant_group_size=2)
     from pathlib import Path

@@ -1,5 +1,6 @@
-// y = x @ w for projections whose weights stay bfloat16 in memory (half the bytes of fp32; a decode
-// step streams every weight once, so it is up to twice as fast wherever memory bandwidth bounds it).
+// y = x @ w for projections whose weights stay bfloat16 or float16 in memory (half the bytes of fp32;
+// a decode step streams every weight once, so it is up to twice as fast wherever memory bandwidth
+// bounds it).
 //
 // Weights are stored in column blocks of NB = 64: w [N/NB, K, NB] (agent/layers.py writes them), so
 // one block is a contiguous [K, NB] matrix: the hand-written path streams it front to back, and
@@ -9,14 +10,16 @@
 // is poor: a few rows go through the hand-written loop below instead, which converts each weight to
 // fp32 (a 16-bit shift) and multiplies in fp32.
 //
-// Every path computes the same thing: x rounded to bf16, exact products, fp32 sums (summation order
-// aside). Paths, chosen per call and reported by Bf16KernelPath():
+// bf16: every path computes the same thing: x rounded to bf16, exact products, fp32 sums (summation
+// order aside). f16: x stays fp32 (f16's range would overflow on large activations) and the weights
+// are widened, on every path; oneDNN's f16 matmul needs AVX512-FP16 / AMX-FP16 and rounds x to f16,
+// so it is not used. Paths, chosen per call and reported by Bf16KernelPath() / F16KernelPath():
 // - M < ONEDNN_MIN_M: the hand-written streaming loop (AVX-512 or AVX2 FMAs).
-// - M >= ONEDNN_MIN_M with AVX512-BF16 or AMX: oneDNN's bf16 matmul.
-// - M >= ONEDNN_MIN_M without them (AVX2 CPUs): weight tiles converted to fp32 in a per-thread buffer
-//   and multiplied by oneDNN's sgemm: fp32 speed, bf16 memory.
+// - M >= ONEDNN_MIN_M, bf16, with AVX512-BF16 or AMX: oneDNN's bf16 matmul.
+// - M >= ONEDNN_MIN_M otherwise (f16; bf16 on AVX2 CPUs): weight tiles converted to fp32 in a
+//   per-thread buffer and multiplied by oneDNN's sgemm: fp32 speed, 16-bit memory.
 //
-// Inputs: x [M, K] float32, w [N/NB, K, NB] uint16 (bf16 bits). Output: y [M, N] float32.
+// Inputs: x [M, K] float32, w [N/NB, K, NB] uint16 (bf16 bits) or float16. Output: y [M, N] float32.
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -46,6 +49,37 @@ inline float bf16_to_f32(uint16_t b) {
   return f;
 }
 
+inline float f16_to_f32(uint16_t h) {
+  _Float16 f;
+  std::memcpy(&f, &h, 2);
+  return static_cast<float>(f);
+}
+
+// The two weight formats: 16 bits each, widened to fp32 as they are loaded.
+struct Bf16W {
+  static float widen(uint16_t b) { return bf16_to_f32(b); }
+#if defined(__AVX512F__)
+  static __m512 widen16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#elif defined(__AVX2__)
+  static __m256 widen8(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+};
+
+struct F16W {
+  static float widen(uint16_t h) { return f16_to_f32(h); }
+#if defined(__AVX512F__)
+  static __m512 widen16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))); }
+#elif defined(__AVX2__) && defined(__F16C__)
+  static __m256 widen8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+#endif
+};
+
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -54,7 +88,7 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even
 
 // y[r, 0:NB] = x[r, :] @ block for R rows: the block is read once for all R rows; accumulators
 // live in registers (AVX-512: 4 x 16 columns x R = 4 rows; AVX2: 8 x 8 columns x R = 1 row).
-template <int R>
+template <int R, typename W>
 void block_rows(const float *x, int64_t k, const uint16_t *blk, float *y, int64_t ldy) {
 #if defined(__AVX512F__)
   __m512 acc[R][4];
@@ -63,10 +97,7 @@ void block_rows(const float *x, int64_t k, const uint16_t *blk, float *y, int64_
   for (int64_t i = 0; i < k; ++i) {
     const uint16_t *row = blk + i * NB;
     __m512 w[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(row + 16 * j));
-      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    for (int j = 0; j < 4; ++j) w[j] = W::widen16(row + 16 * j);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * k + i]);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
@@ -74,15 +105,14 @@ void block_rows(const float *x, int64_t k, const uint16_t *blk, float *y, int64_
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   __m256 acc[R][8];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 8; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
     const uint16_t *row = blk + i * NB;
     for (int j = 0; j < 8; ++j) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row + 8 * j));
-      const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      const __m256 w = W::widen8(row + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + i]), w, acc[r][j]);
     }
   }
@@ -92,7 +122,7 @@ void block_rows(const float *x, int64_t k, const uint16_t *blk, float *y, int64_
   float acc[R][NB] = {};
   for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < R; ++r)
-      for (int64_t j = 0; j < NB; ++j) acc[r][j] += x[r * k + i] * bf16_to_f32(blk[i * NB + j]);
+      for (int64_t j = 0; j < NB; ++j) acc[r][j] += x[r * k + i] * W::widen(blk[i * NB + j]);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(float) * NB);
 #endif
 }
@@ -104,19 +134,33 @@ constexpr int ROWS = 1;
 #endif
 
 // Blocks [b, e) of the streaming loop, ROWS rows at a time.
+template <typename W>
 void stream_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16_t *w, float *y, int64_t b, int64_t e) {
   for (int64_t blk = b; blk < e; ++blk) {
     const uint16_t *wb = w + blk * k * NB;
     int64_t r = 0;
-    for (; r + ROWS <= m; r += ROWS) block_rows<ROWS>(x + r * k, k, wb, y + r * n + blk * NB, n);
-    for (; r < m; ++r) block_rows<1>(x + r * k, k, wb, y + r * n + blk * NB, n);
+    for (; r + ROWS <= m; r += ROWS) block_rows<ROWS, W>(x + r * k, k, wb, y + r * n + blk * NB, n);
+    for (; r < m; ++r) block_rows<1, W>(x + r * k, k, wb, y + r * n + blk * NB, n);
   }
+}
+
+// One block row (NB values) widened to fp32, in vectors where the CPU has them.
+template <typename W>
+inline void widen_row(const uint16_t *src, float *dst) {
+#if defined(__AVX512F__)
+  for (int64_t c = 0; c < NB; c += 16) _mm512_storeu_ps(dst + c, W::widen16(src + c));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (int64_t c = 0; c < NB; c += 8) _mm256_storeu_ps(dst + c, W::widen8(src + c));
+#else
+  for (int64_t c = 0; c < NB; ++c) dst[c] = W::widen(src[c]);
+#endif
 }
 
 // Blocks [b, e) converted to fp32 in tiles of KC x CB*NB (256 KiB: they stay in L2) and multiplied
 // by sgemm, accumulating over K (CPUs without bf16 math). One block at a time left sgemm too narrow:
 // 0.8x fp32 at M = 64.
 constexpr int64_t KC = 256, CB = 4;
+template <typename W>
 int convert_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16_t *w, float *y, int64_t b, int64_t e) {
   thread_local std::vector<float> buf;
   buf.resize(KC * CB * NB);
@@ -126,8 +170,7 @@ int convert_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16
       const int64_t kc = std::min(KC, k - k0);
       for (int64_t j = 0; j < cb; ++j) {
         const uint16_t *src = w + (c0 + j) * k * NB + k0 * NB;
-        for (int64_t i = 0; i < kc; ++i)
-          for (int64_t c = 0; c < NB; ++c) buf[i * cols + j * NB + c] = bf16_to_f32(src[i * NB + c]);
+        for (int64_t i = 0; i < kc; ++i) widen_row<W>(src + i * NB, &buf[i * cols + j * NB]);
       }
       if (dnnl_sgemm('N', 'N', m, cols, kc, 1.f, x + k0, k, buf.data(), cols, k0 ? 1.f : 0.f, y + c0 * NB, n)) return 1;
     }
@@ -223,17 +266,50 @@ int dnnl_blocks(const uint16_t *xb, int64_t m, int64_t k, int64_t n, const uint1
   return dnnl_stream_wait(stream) != dnnl_success;
 }
 
+const char *const STREAM_ISA =
+#if defined(__AVX512F__)
+    "AVX-512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    "AVX2";
+#else
+    "scalar";
+#endif
+
+// x [m, k] for the many-rows fallback and the streaming loop: bf16 rounds it (see above), f16 not.
+int half_linear(const float *x, int64_t m, int64_t k, int64_t blocks, const uint16_t *w, float *y, bool bf16) {
+  const int64_t n = blocks * NB;
+  std::atomic<int> status{0};
+  const float *xf = x;
+  if (bf16) {  // a row's result then does not depend on which path its step's row count chose
+    thread_local std::vector<uint16_t> xb;
+    thread_local std::vector<float> xr;
+    xb.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) xb[i] = f32_to_bf16(x[i]);
+    const uint16_t *src = xb.data();
+    if (m >= ONEDNN_MIN_M && native_bf16(probe_impl())) {
+      kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
+        if (dnnl_blocks(src, m, k, n, w, y, b, e)) status.store(1);
+      });
+      return status;
+    }
+    xr.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) xr[i] = bf16_to_f32(src[i]);
+    xf = xr.data();
+  }
+  kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
+    if (m < ONEDNN_MIN_M) {
+      bf16 ? stream_blocks<Bf16W>(xf, m, k, n, w, y, b, e) : stream_blocks<F16W>(xf, m, k, n, w, y, b, e);
+    } else if (bf16 ? convert_blocks<Bf16W>(xf, m, k, n, w, y, b, e) : convert_blocks<F16W>(xf, m, k, n, w, y, b, e)) {
+      status.store(1);
+    }
+  });
+  return status;
+}
+
 }  // namespace
 
 extern "C" const char *Bf16KernelPath() {
-  static const std::string path = std::string("bf16: weights in bf16; few rows: streaming fp32 loop (") +
-#if defined(__AVX512F__)
-                                  "AVX-512" +
-#elif defined(__AVX2__)
-                                  "AVX2" +
-#else
-                                  "scalar" +
-#endif
+  static const std::string path = std::string("bf16: weights in bf16; few rows: streaming fp32 loop (") + STREAM_ISA +
                                   "); many rows: " +
                                   (native_bf16(probe_impl()) ? "oneDNN bf16 matmul [" + probe_impl() + "]"
                                                              : "blocks converted to fp32 + oneDNN sgemm (oneDNN offers [" +
@@ -241,39 +317,19 @@ extern "C" const char *Bf16KernelPath() {
   return path.c_str();
 }
 
-extern "C" int LinearBf16(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+extern "C" const char *F16KernelPath() {
+  static const std::string path = std::string("f16: weights in f16, fp32 math; few rows: streaming loop (") +
+                                  STREAM_ISA + "); many rows: blocks converted to fp32 + oneDNN sgemm";
+  return path.c_str();
+}
+
+// Inputs: x [M, K] float32, w [N/NB, K, NB] uint16 (bf16 bits) or float16. Output: y [M, N] float32.
+extern "C" int LinearHalf(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                           void *extra) {
-  if (nparam != 3 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], "uint16") || ndims[1] != 3 ||
-      shapes[1][2] != NB)
+  const bool bf16 = !std::strcmp(dtypes[1], "uint16");
+  if (nparam != 3 || std::strcmp(dtypes[0], "float32") || !(bf16 || !std::strcmp(dtypes[1], "float16")) ||
+      ndims[1] != 3 || shapes[1][2] != NB || shapes[1][1] != shapes[0][1])
     return 1;
-  const float *x = static_cast<const float *>(params[0]);
-  const uint16_t *w = static_cast<const uint16_t *>(params[1]);
-  float *y = static_cast<float *>(params[2]);
-  const int64_t m = shapes[0][0], k = shapes[0][1], blocks = shapes[1][0], n = blocks * NB;
-  if (shapes[1][1] != k) return 1;
-  std::atomic<int> status{0};
-  // Every path rounds x to bf16 first, as oneDNN's does: a row's result then does not depend on
-  // which path its step's row count chose (batch 1 and batch N give the same tokens).
-  thread_local std::vector<uint16_t> xb;
-  xb.resize(m * k);
-  for (int64_t i = 0; i < m * k; ++i) xb[i] = f32_to_bf16(x[i]);
-  const uint16_t *src = xb.data();
-  if (m >= ONEDNN_MIN_M && native_bf16(probe_impl())) {
-    kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
-      if (dnnl_blocks(src, m, k, n, w, y, b, e)) status.store(1);
-    });
-    return status;
-  }
-  thread_local std::vector<float> xr;
-  xr.resize(m * k);
-  for (int64_t i = 0; i < m * k; ++i) xr[i] = bf16_to_f32(src[i]);
-  const float *xf = xr.data();
-  if (m < ONEDNN_MIN_M) {
-    kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) { stream_blocks(xf, m, k, n, w, y, b, e); });
-  } else {
-    kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
-      if (convert_blocks(xf, m, k, n, w, y, b, e)) status.store(1);
-    });
-  }
-  return status;
+  return half_linear(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], shapes[1][0],
+                     static_cast<const uint16_t *>(params[1]), static_cast<float *>(params[2]), bf16);
 }
