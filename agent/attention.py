@@ -1,7 +1,7 @@
 """Rotary embedding and paged attention over the flat per-layer KV cache, as two interchangeable
 parameter-free cells: `NativeAttention` (agent/kernels: reads K/V straight from the cache by slot)
 and `PlainAttention` (MindSpore primitives, any device: every token gathers a copy of its
-sequence's context, ~8 kernels per layer, same result).
+sequence's context, ~8 kernels per layer, same result; tokens in chunks that bound that copy).
 
 Both take a step's `context(...)` once, then per layer `rope_split` (q, k, v from the fused Q|K|V
 projection) and `attention`. Rope tables are the model's parameters, passed in through the context.
@@ -15,6 +15,10 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
+# Bytes of gathered K and V one chunk of query tokens may hold in the plain path: tokens are taken
+# in chunks of GATHER_BYTES / (context x kv x head_dim x 8), so a step's memory does not grow with
+# max_model_len x tokens (a 512-token step of a 4096-context 7B model gathered 34 GB at once).
+GATHER_BYTES = 64 << 20
 
 
 def context_slots(block_tables: Tensor, block_size: int) -> Tensor:
@@ -83,6 +87,16 @@ class PlainAttention(nn.Cell):
 
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
         token_slots, bias = c[2], c[3]
+        n, ctx = token_slots.shape
+        chunk = max(1, GATHER_BYTES // (ctx * self.kv * self.hd * 8))
+        if chunk >= n:
+            return self._attend(q, k_cache, v_cache, token_slots, bias)
+        q = q.reshape(n, -1)
+        parts = [self._attend(q[s:s + chunk], k_cache, v_cache, token_slots[s:s + chunk], bias[s:s + chunk])
+                 for s in range(0, n, chunk)]  # static shapes: unrolled when the graph is built
+        return ops.concat(parts, 0)
+
+    def _attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, token_slots: Tensor, bias: Tensor) -> Tensor:
         n, ctx = token_slots.shape
         kv, hd, grp = self.kv, self.hd, self.heads // self.kv
         flat = token_slots.reshape(-1)

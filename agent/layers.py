@@ -19,9 +19,6 @@ from agent.projections import fp32_projections, int8_projections, lm_head
 from agent.attention import NativeAttention, PlainAttention
 from agent.quant import Int8Rows
 
-# MindSpore CPU's MatMul is fastest with [in, out] weights for few rows and with [out, in] weights
-# (transpose_b) for many: ~2.5x either way. Graphs of at least this many tokens use the latter.
-WIDE_ROWS = 96
 BF16_BLOCK = 64  # output columns per 16-bit weight block (agent/kernels/linear_half.cpp)
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 # KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16)
@@ -94,46 +91,39 @@ class Projection(nn.Cell):
     def stored(prepared: Any) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
-    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int, wide: bool) -> tuple:
+    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
         """The residual add, the RMSNorm after it and this projection: (x + delta, rms(x + delta) @ W_i)."""
         x, h = self.norms.add_rms(x, delta)
-        return x, self.linear(h, i, wide)
+        return x, self.linear(h, i)
 
-    def swiglu_linear(self, gu: Tensor, i: int, wide: bool) -> Tensor:
-        return self.linear(self.norms.swiglu(gu), i, wide)
+    def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
+        return self.linear(self.norms.swiglu(gu), i)
 
 
 class PlainLinear(Projection):
-    """MindSpore MatMul. On CPU it is fastest with [in, out] weights for few rows and with [out, in]
-    (transpose_b) for many, ~2.5x either way: both are kept (`wide` picks). The LM head keeps only
-    [out, in], 1.6-2.5x faster at every batch."""
+    """MindSpore MatMul on one [out, in] copy (transpose_b: the layout Ascend and GPU kernels take).
+    On CPU this fallback is ~2.5x slower at few rows than an [in, out] copy would be; the CPU runs
+    the native kernels instead, and a second copy of every weight is what a 7B model cannot afford."""
 
     @staticmethod
     def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
-        return np.ascontiguousarray(mat, np.float32), np.ascontiguousarray(mat.T, np.float32)
+        return (np.ascontiguousarray(mat, np.float32),)
 
     def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
         super().__init__(norms, layers, k, width)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
-    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
-        return self.matmul_t(x, self.w0[i]) if wide else ops.matmul(x, self.w1[i])
-
-
-class PlainHead(PlainLinear):
-    @staticmethod
-    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (np.ascontiguousarray(mat, np.float32),)
-
-    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+    def linear(self, x: Tensor, i: int) -> Tensor:
         return self.matmul_t(x, self.w0[i])
 
 
 class DnnlLinear(Projection):
     """fp32 on oneDNN's sgemm (agent/kernels/linear.cpp), [in, out] weights: one layout serves every
-    batch size; for the LM head 2.4x MindSpore's best at one row, 0.9x at 64."""
+    batch size; for the LM head 2.4x MindSpore's best at one row, 0.9x at 64. The norm and SwiGLU
+    feeding a projection run in its op (agent/kernels/fused_linear.cpp): 3 dispatches less a layer."""
 
     op_name = "linear"
+    fused = ("add_rms_linear", "swiglu_linear")
 
     @staticmethod
     def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -142,9 +132,20 @@ class DnnlLinear(Projection):
     def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
         super().__init__(norms, layers, k, width)
         self.op = k[self.op_name]
+        self.add_rms_op, self.swiglu_op = (k[name] for name in self.fused)
 
-    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
-        return self.op(x, self.w0[i])
+    def out(self, y: Tensor) -> Tensor:
+        return y
+
+    def linear(self, x: Tensor, i: int) -> Tensor:
+        return self.out(self.op(x, self.w0[i]))
+
+    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
+        x, y = self.add_rms_op(x, delta, self.norms.eps, self.w0[i])
+        return x, self.out(y)
+
+    def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
+        return self.out(self.swiglu_op(gu, self.w0[i]))
 
 
 class Bf16Linear(DnnlLinear):
@@ -153,6 +154,7 @@ class Bf16Linear(DnnlLinear):
     AMX. Widths that are not a multiple of 64 are padded and the extra columns dropped."""
 
     op_name = "linear_half"
+    fused = ("add_rms_linear_half", "swiglu_linear_half")
 
     @staticmethod
     def half(mat: np.ndarray) -> np.ndarray:
@@ -170,8 +172,7 @@ class Bf16Linear(DnnlLinear):
         self.width = width
         self.padded = layers[0][0].shape[0] * BF16_BLOCK != width
 
-    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
-        y = self.op(x, self.w0[i])
+    def out(self, y: Tensor) -> Tensor:
         return y[:, :self.width] if self.padded else y
 
 
@@ -190,23 +191,20 @@ class Int8Linear(DnnlLinear):
     norm and SwiGLU feeding a projection run in that same pass (a dispatch less each)."""
 
     op_name = "linear_i8"
+    fused = ("add_rms_linear_i8", "swiglu_linear_i8")
 
     @staticmethod
     def stored(prepared: tuple[Int8Rows, np.ndarray]) -> tuple[np.ndarray, ...]:
         rows, gain = prepared
         return rows.q, rows.scale, np.asarray(gain, np.float32)
 
-    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
-        super().__init__(norms, layers, k, width)
-        self.add_rms_op, self.swiglu_op = k["add_rms_linear_i8"], k["swiglu_linear_i8"]
-
-    def linear(self, x: Tensor, i: int, wide: bool) -> Tensor:
+    def linear(self, x: Tensor, i: int) -> Tensor:
         return self.op(x, self.w0[i], self.w1[i], self.w2[i])
 
-    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int, wide: bool) -> tuple:
+    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
         return self.add_rms_op(x, delta, self.norms.eps, self.w0[i], self.w1[i], self.w2[i])
 
-    def swiglu_linear(self, gu: Tensor, i: int, wide: bool) -> Tensor:
+    def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
         return self.swiglu_op(gu, self.w0[i], self.w1[i], self.w2[i])
 
 
@@ -246,27 +244,27 @@ class Backend:
     def attention(self, cfg: Any, block_size: int, k: dict[str, Any]) -> nn.Cell:
         return (NativeAttention if self.lib else PlainAttention)(cfg, block_size, k)
 
-    def projection_cls(self, head: bool) -> type[Projection]:
+    @property
+    def projection_cls(self) -> type[Projection]:
         if self.lib is None:
-            return PlainHead if head else PlainLinear
+            return PlainLinear
         return {"float32": DnnlLinear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
 
     def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
                     k: dict[str, Any]) -> dict[str, Projection]:
         """qkv, o, gate_up, down and head, converted one layer at a time (a large model never holds a
         second full copy)."""
-        cls = self.projection_cls(head=False)
+        cls = self.projection_cls
         layers: dict[str, list] = {}
         for i, layer in enumerate(self._prepared(cfg, w, attn_scale)):
             for name, prep in layer.items():
                 layers.setdefault(name, []).append(cls.params(name, i, prep))
         head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group)
         # int8 applies the final norm's gain where it quantises; float weights fold it into the head
-        layers["head"] = [self.projection_cls(head=True).params("head", 0, (head, gain) if self.dtype == "int8"
-                                                                else head * gain[None, :])]
+        layers["head"] = [cls.params("head", 0, (head, gain) if self.dtype == "int8" else head * gain[None, :])]
         widths = {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
                   "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": cfg.vocab_size}
-        return {name: self.projection_cls(name == "head")(norms, ls, k, widths[name]) for name, ls in layers.items()}
+        return {name: cls(norms, ls, k, widths[name]) for name, ls in layers.items()}
 
     def _prepared(self, cfg: Any, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
         if self.dtype == "int8":

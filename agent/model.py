@@ -16,7 +16,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agent.layers import KV_DTYPES, WIDE_ROWS, Backend, param
+from agent.layers import KV_DTYPES, Backend, param
 from agent.projections import embedding
 
 
@@ -113,23 +113,22 @@ class LlamaModel(nn.Cell):
         fixed by max_model_len, so no shape depends on context length; logit_rows [S] int32 indices
         into T of the tokens that sample. Returns logits [S, vocab] and their log-sum-exp [S] (for
         log-probabilities without a second pass over the vocabulary)."""
-        wide = tokens.shape[0] >= WIDE_ROWS
         c = self.attn.context(positions, token_rows, block_tables, self.cos_table, self.sin_table)
         x = ops.gather(self.embed, tokens, 0)
-        qkv = self.qkv.linear(self.norms.rms(x), 0, wide)
+        qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
             q, k, v = self.attn.rope_split(qkv, c)
             k_cache = ops.scatter_update(self.k_cache[i], slots, k)
             v_cache = ops.scatter_update(self.v_cache[i], slots, v)
             attn = self.attn.attention(q, k_cache, v_cache, c)
-            x, gu = self.gate_up.add_norm_linear(x, self.o.linear(attn, i, wide), i, wide)
-            delta = self.down.swiglu_linear(gu, i, wide)
+            x, gu = self.gate_up.add_norm_linear(x, self.o.linear(attn, i), i)
+            delta = self.down.swiglu_linear(gu, i)
             if i + 1 < self.cfg.num_layers:
-                x, qkv = self.qkv.add_norm_linear(x, delta, i + 1, wide)
+                x, qkv = self.qkv.add_norm_linear(x, delta, i + 1)
         _, h = self.norms.add_rms(x, delta)
         # h is the final norm of every token (its gain folded into the head); only sampling tokens go on.
-        logits = self.head.linear(ops.gather(h, logit_rows, 0), 0, wide)
+        logits = self.head.linear(ops.gather(h, logit_rows, 0), 0)
         peak = logits.max(-1, keepdims=True)
         lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
         return logits, lse

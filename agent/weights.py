@@ -32,12 +32,20 @@ class LazyWeights(Mapping):
 
     def __init__(self) -> None:
         self._get: dict[str, Callable[[], Any]] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
 
-    def add(self, name: str, get: Callable[[], Any]) -> None:
+    def add(self, name: str, get: Callable[[], Any], shape: tuple[int, ...] | None = None) -> None:
         self._get[name] = get
+        if shape is not None:
+            self._shape[name] = tuple(shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, without reading it where the source said it."""
+        return self._shape[name] if name in self._shape else tuple(self[name].shape)
 
     def update(self, other: "LazyWeights") -> None:
         self._get.update(other._get)
+        self._shape.update(other._shape)
 
     def __getitem__(self, name: str) -> Any:
         return self._get[name]()
@@ -162,7 +170,7 @@ def read_safetensors(path: Path) -> LazyWeights:
             continue
         if info["dtype"] not in _ST_DTYPES:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-        out.add(name, lambda info=info: _st_tensor(path, 8 + header_len, info))
+        out.add(name, lambda info=info: _st_tensor(path, 8 + header_len, info), info["shape"])
     return out
 
 
@@ -228,17 +236,22 @@ def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
 
     mc = mindformers_model_config(Path(files.cfg_path))
     hidden, heads = mc["hidden_size"], mc["num_heads"]
-    ckpt = {k: v.asnumpy().astype(np.float32) for k, v in ms.load_checkpoint(str(files.path)).items()}
-    weights: dict[str, Any] = {}
-    for name, arr in ckpt.items():
-        if name in _MF_TOP:
-            weights[_MF_TOP[name]] = arr
-            continue
+    # MindSpore reads a checkpoint whole (in its stored dtype); each tensor becomes float32 only when
+    # the model asks for it, so loading peaks at the checkpoint plus the final weights, not plus a
+    # float32 copy of everything.
+    ckpt = ms.load_checkpoint(str(files.path))
+    weights = LazyWeights()
+    for name, param in ckpt.items():
         parts = name.split(".")  # model.layers.{i}.<key>.weight
         key = ".".join(parts[3:-1])
-        if parts[:2] == ["model", "layers"] and key in _MF_LAYER:
-            weights[f"model.layers.{parts[2]}.{_MF_LAYER[key]}.{parts[-1]}"] = arr
-    intermediate = weights["model.layers.0.mlp.gate_proj.weight"].shape[0]
+        if name in _MF_TOP:
+            ours = _MF_TOP[name]
+        elif parts[:2] == ["model", "layers"] and key in _MF_LAYER:
+            ours = f"model.layers.{parts[2]}.{_MF_LAYER[key]}.{parts[-1]}"
+        else:
+            continue
+        weights.add(ours, lambda p=param: p.asnumpy().astype(np.float32), tuple(param.shape))
+    intermediate = weights.shape("model.layers.0.mlp.gate_proj.weight")[0]
     cfg = LlamaConfig(
         vocab_size=mc["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
         num_layers=mc["num_layers"], num_heads=heads, num_kv_heads=mc.get("n_kv_heads") or heads,

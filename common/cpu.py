@@ -1,9 +1,14 @@
-"""The CPU as benchmarks name it: model, cores, and the instruction sets the kernels can use."""
+"""The CPU as benchmarks name it: model, cores, the instruction sets the kernels can use, and the
+memory bandwidth its cores reach (what bounds a decode step)."""
 from __future__ import annotations
 
 import os
 import platform
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 # What decides the kernel paths (agent/kernels): vector width, int8 dot products, bf16, AMX.
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx_vnni", "avx512_vnni", "avx512_bf16",
@@ -30,3 +35,20 @@ def describe() -> str:
     yes, no = [f for f in FLAGS if f in have], [f for f in FLAGS if f not in have]
     return f"{name} ({os.cpu_count()} cores; {' '.join(yes) or 'none of ' + ' '.join(FLAGS)}" + (
         f"; no {' '.join(no)})" if no else ")")
+
+
+def copy_bandwidth(threads: int, size: int = 1 << 30) -> float:
+    """Bytes/s read by `threads` threads each copying its share of a `size`-byte buffer (numpy
+    releases the GIL in copyto): a decode step streams every weight once, at best at this speed."""
+    src, dst = np.ones(size // 4, np.float32), np.empty(size // 4, np.float32)
+    parts = np.array_split(np.arange(src.size), threads)
+    best = float("inf")
+    for _ in range(3):
+        workers = [threading.Thread(target=np.copyto, args=(dst[p[0]:p[-1] + 1], src[p[0]:p[-1] + 1])) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t0)
+    return size / best

@@ -103,13 +103,12 @@ def parse_bytes(value: Any) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def weight_bytes(s: ModelShape, dtype: str, native: bool = True) -> int:
-    """The weights as agent.layers stores them: projections and LM head in `dtype` (int8: plus a
-    float32 scale per 64 inputs), the embedding and rope tables in float32; the plain-MindSpore path
-    (devices other than CPU) keeps each projection in two layouts."""
+def weight_bytes(s: ModelShape, dtype: str) -> int:
+    """The weights as agent.layers stores them (one copy each, on every path): projections and LM
+    head in `dtype` (int8: plus a float32 scale per 64 inputs), the embedding and rope tables in
+    float32."""
     per = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
-    copies = 1 if native else 2
-    projections = s.layers * s.layer_params * per * copies
+    projections = s.layers * s.layer_params * per
     head = s.vocab * s.hidden * per
     return int(projections + head + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
 
@@ -211,7 +210,7 @@ def plan(cfg: Any, files: ModelFiles, agents: int) -> MemoryPlan:
     """The memory plan of `cfg` with `agents` agents on this host; resolves `num_blocks: auto` (0)
     into cfg.num_blocks."""
     shape = model_shape(files)
-    weights = weight_bytes(shape, cfg.model_dtype, native=cfg.device == "CPU")
+    weights = weight_bytes(shape, cfg.model_dtype)
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
     available = available_bytes()
     if not cfg.num_blocks:

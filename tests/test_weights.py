@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent.layers import bf16_bits
 from agent.weights import _unpermute, load_model, read_safetensors
 from common.model_files import ModelFiles
 from tests.conftest import TINY
@@ -67,6 +68,10 @@ def test_export_round_trips_through_our_loaders(tmp_path):
     assert all(np.array_equal(g_w[k], w[k]) for k in w)
     _, h_w = load_model(ModelFiles("gguf", tmp_path / "m-f16.gguf"))
     assert max(float(np.abs(h_w[k] - w[k]).max()) for k in w) < 1e-4
+    write_hf(tmp_path / "bf16", cfg, w, tok_src, "bf16")  # written straight to bf16, tensor by tensor
+    _, b_w = load_model(ModelFiles("hf", tmp_path / "bf16"))
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert all(np.array_equal(b_w[k], (bf16_bits(w[k]).astype(np.uint32) << 16).view(np.float32)) for k in w)
     text = "Paris, 1889: the Eiffel Tower!"
     ids = load_tokenizer(ModelFiles("gguf", tok_src)).encode(text)
     assert load_tokenizer(ModelFiles("hf", tmp_path)).encode(text) == ids

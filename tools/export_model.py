@@ -1,8 +1,13 @@
 """Write one model in the formats our peers load: a Hugging Face folder (config.json, safetensors,
-tokenizer.json; vLLM and transformers) and GGUF files (llama.cpp), from the same float32 weights.
+tokenizer.json; vLLM and transformers) and GGUF files (llama.cpp), from the same weights.
 
     python tools/export_model.py --from smollm2 --out .peers/models/smollm2
     python tools/export_model.py --random --out .peers/models/llama-768x12   # hidden 768, 12 layers
+    python tools/export_model.py --random --shape llama-7b --dtype bf16 --gguf "" --out .peers/models/llama-7b
+
+Everything streams tensor by tensor (random tensors are generated as they are written, each from
+its own seed): a 7B export holds one tensor at a time, never the model (27 GB as float32).
+`--dtype` is the safetensors dtype (float32, bf16, f16).
 
 The tokenizer always comes from the default model's GGUF vocabulary (random models share it), so
 every system sees the same token ids.
@@ -19,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from agent.model import LlamaConfig  # noqa: E402
-from agent.weights import Weights, load_model  # noqa: E402
+from agent.weights import LazyWeights, Weights, load_model  # noqa: E402
 from common.model_files import resolve_model  # noqa: E402
 
 _GGUF_NAMES = {
@@ -32,26 +37,69 @@ _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 
 
-def random_llama(cfg: LlamaConfig, seed: int = 0) -> Weights:
-    """Scaled-normal weights (std 0.02, unit norm gains): random, but with sane activations."""
-    rng = np.random.default_rng(seed)
+# Named shapes (SmolLM2's vocabulary): TinyLlama-1.1B and llama2-7B.
+SHAPES = {"llama-1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632),
+          "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008)}
+
+
+def random_llama(cfg: LlamaConfig, seed: int = 0) -> LazyWeights:
+    """Scaled-normal weights (std 0.02, unit norm gains): random, but with sane activations. Each
+    tensor is generated when read, from its own seed: the same values every time, none held."""
     d, hd = cfg.hidden_size, cfg.head_dim
     shapes = {"self_attn.q_proj": (cfg.num_heads * hd, d), "self_attn.k_proj": (cfg.num_kv_heads * hd, d),
               "self_attn.v_proj": (cfg.num_kv_heads * hd, d), "self_attn.o_proj": (d, cfg.num_heads * hd),
               "mlp.gate_proj": (cfg.intermediate_size, d), "mlp.up_proj": (cfg.intermediate_size, d),
               "mlp.down_proj": (d, cfg.intermediate_size)}
-    normal = lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)  # noqa: E731
-    w: Weights = {"model.embed_tokens.weight": normal((cfg.vocab_size, d)),
-                  "model.norm.weight": np.ones(d, np.float32)}
+    w = LazyWeights()
+
+    def normal(name: str, shape: tuple[int, ...]) -> None:
+        i = len(w)
+        w.add(name, lambda: np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32) * np.float32(0.02),
+              shape)
+
+    def ones(name: str) -> None:
+        w.add(name, lambda: np.ones(d, np.float32), (d,))
+
+    normal("model.embed_tokens.weight", (cfg.vocab_size, d))
+    ones("model.norm.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = np.ones(d, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(d, np.float32)
+        ones(p + "input_layernorm.weight")
+        ones(p + "post_attention_layernorm.weight")
         for name, shape in shapes.items():
-            w[p + name + ".weight"] = normal(shape)
+            normal(p + name + ".weight", shape)
     if not cfg.tie_word_embeddings:
-        w["lm_head.weight"] = normal((cfg.vocab_size, d))
+        normal("lm_head.weight", (cfg.vocab_size, d))
     return w
+
+
+_ST = {"float32": ("F32", np.float32), "bf16": ("BF16", np.uint16), "f16": ("F16", np.float16)}
+
+
+def _as_stored(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":  # round to nearest even; numpy has no bfloat16
+        u = np.ascontiguousarray(arr, np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(arr, _ST[dtype][1])
+
+
+def write_safetensors(path: Path, w: Weights, names: list[str], dtype: str = "float32") -> None:
+    """A safetensors file written one tensor at a time (the header's offsets come from the shapes,
+    read once per tensor here: random and lazily loaded tensors are produced twice, never held)."""
+    code, np_type = _ST[dtype]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        shape = list(w.shape(name) if isinstance(w, LazyWeights) else w[name].shape)
+        size = int(np.prod(shape)) * np.dtype(np_type).itemsize
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        for name in names:
+            fh.write(_as_stored(w[name], dtype).tobytes())
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -60,15 +108,14 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path) -> None:
-    from safetensors.numpy import save_file
-
+def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtype: str = "float32") -> None:
     from common.tokenizer import load_tokenizer
     from common.model_files import ModelFiles
 
     out.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "torch_dtype": {"float32": "float32", "bf16": "bfloat16", "f16": "float16"}[dtype],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -79,9 +126,8 @@ def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path) -> N
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in w.items()
-               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    names = [k for k in w if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    write_safetensors(out / "model.safetensors", w, names, dtype)
     tok = load_tokenizer(ModelFiles("gguf", tokenizer_gguf))
     tok.tok.save(str(out / "tokenizer.json"))
     names = {v: k for k, v in tok.special_tokens.items()}
@@ -126,28 +172,36 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
         writer.add_add_bos_token(bool(f["tokenizer.ggml.add_bos_token"].contents()))
     if "tokenizer.chat_template" in f:
         writer.add_chat_template(f["tokenizer.chat_template"].contents())
-    for name, arr in w.items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
+    names = [k for k in w if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def gguf_name(name: str) -> str:
         if name in _GGUF_TOP:
-            gname = _GGUF_TOP[name]
-        else:
-            _, _, i, *mid, _ = name.split(".")
-            kind = _GGUF_NAMES[".".join(mid)]
-            gname = f"blk.{i}.{kind}.weight"
-            if kind == "attn_q":
-                arr = permute_qk(arr, cfg.num_heads)
-            elif kind == "attn_k":
-                arr = permute_qk(arr, cfg.num_kv_heads)
+            return _GGUF_TOP[name]
+        _, _, i, *mid, _ = name.split(".")
+        return f"blk.{i}.{_GGUF_NAMES['.'.join(mid)]}.weight"
+
+    def gguf_array(name: str) -> np.ndarray:
+        arr, kind = w[name], gguf_name(name).split(".")[-2]
+        if kind in ("attn_q", "attn_k"):
+            arr = permute_qk(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         if dtype == "q8_0" and arr.ndim == 2:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(gname, gguf.quants.quantize(np.asarray(arr, np.float32), q8), raw_dtype=q8)
-            continue
-        half = dtype == "f16" and arr.ndim == 2
-        writer.add_tensor(gname, np.ascontiguousarray(arr, np.float16 if half else np.float32))
+            return gguf.quants.quantize(np.asarray(arr, np.float32), q8)
+        return np.ascontiguousarray(arr, np.float16 if dtype == "f16" and arr.ndim == 2 else np.float32)
+
+    for name in names:  # tensor infos first, from shapes alone; then the data, one tensor at a time
+        shape = w.shape(name) if isinstance(w, LazyWeights) else w[name].shape
+        if dtype == "q8_0" and len(shape) == 2:  # 32 values per 34-byte block (f16 scale + 32 x int8)
+            raw = (shape[0], shape[1] // 32 * 34)
+            writer.add_tensor_info(gguf_name(name), raw, np.dtype(np.uint8), raw[0] * raw[1], raw_dtype=q8)
+        else:
+            item = np.dtype(np.float16 if dtype == "f16" and len(shape) == 2 else np.float32)
+            writer.add_tensor_info(gguf_name(name), shape, item, int(np.prod(shape)) * item.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for name in names:
+        writer.write_tensor_data(gguf_array(name))
     writer.close()
 
 
@@ -157,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--from", dest="source", help="a model path our server accepts (default model: smollm2)")
     src.add_argument("--random", action="store_true", help="a random Llama of the shape below")
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a named shape instead of the sizes below")
+    ap.add_argument("--dtype", choices=sorted(_ST), default="float32", help="the safetensors dtype")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=12)
@@ -168,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     tokenizer_gguf = resolve_model("smollm2").path
+    if args.shape:
+        for key, value in SHAPES[args.shape].items():
+            setattr(args, key, value)
     if args.random:
         base, _ = load_model(resolve_model("smollm2"))
         cfg = LlamaConfig(vocab_size=base.vocab_size, hidden_size=args.hidden,
@@ -181,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, weights = load_model(files)
         if files.kind == "gguf":
             tokenizer_gguf = files.path
-    write_hf(args.out, cfg, weights, tokenizer_gguf)
+    write_hf(args.out, cfg, weights, tokenizer_gguf, args.dtype)
     for dtype in filter(None, args.gguf.split(",")):
         write_gguf(args.out / f"model-{dtype}.gguf", cfg, weights, tokenizer_gguf, dtype)
-    n = sum(v.size for k, v in weights.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_layer = cfg.hidden_size * (qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
+    n = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * per_layer
     print(f"wrote {args.out}: {n / 1e6:.1f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}")
     return 0
 

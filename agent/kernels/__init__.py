@@ -129,6 +129,10 @@ def custom_ops(lib: str, q_size: int, kv: int, hd: int, kv_dtype: Any) -> dict[s
     return {
         "linear": custom("Linear", lambda x, w: [x[0], w[1]], same),
         "linear_half": custom("LinearHalf", lambda x, w: [x[0], w[0] * w[2]], same),
+        "add_rms_linear": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[1]]), pair),
+        "add_rms_linear_half": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[0] * w[2]]), pair),
+        "swiglu_linear": custom("SwiGluLinear", lambda gu, w: [gu[0], w[1]], same),
+        "swiglu_linear_half": custom("SwiGluLinear", lambda gu, w: [gu[0], w[0] * w[2]], same),
         "linear_i8": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
         "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
         "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),

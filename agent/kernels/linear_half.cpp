@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "dnnl.h"
+#include "linear.h"
 #include "parallel.h"
 
 namespace {
@@ -275,8 +276,11 @@ const char *const STREAM_ISA =
     "scalar";
 #endif
 
+}  // namespace
+
 // x [m, k] for the many-rows fallback and the streaming loop: bf16 rounds it (see above), f16 not.
-int half_linear(const float *x, int64_t m, int64_t k, int64_t blocks, const uint16_t *w, float *y, bool bf16) {
+int kernels::linear_half(const float *x, int64_t m, int64_t k, int64_t blocks, const uint16_t *w, float *y,
+                         bool bf16) {
   const int64_t n = blocks * NB;
   std::atomic<int> status{0};
   const float *xf = x;
@@ -306,8 +310,6 @@ int half_linear(const float *x, int64_t m, int64_t k, int64_t blocks, const uint
   return status;
 }
 
-}  // namespace
-
 extern "C" const char *Bf16KernelPath() {
   static const std::string path = std::string("bf16: weights in bf16; few rows: streaming fp32 loop (") + STREAM_ISA +
                                   "); many rows: " +
@@ -330,6 +332,6 @@ extern "C" int LinearHalf(int nparam, void **params, int *ndims, int64_t **shape
   if (nparam != 3 || std::strcmp(dtypes[0], "float32") || !(bf16 || !std::strcmp(dtypes[1], "float16")) ||
       ndims[1] != 3 || shapes[1][2] != NB || shapes[1][1] != shapes[0][1])
     return 1;
-  return half_linear(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], shapes[1][0],
-                     static_cast<const uint16_t *>(params[1]), static_cast<float *>(params[2]), bf16);
+  return kernels::linear_half(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], shapes[1][0],
+                              static_cast<const uint16_t *>(params[1]), static_cast<float *>(params[2]), bf16);
 }
