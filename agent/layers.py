@@ -19,7 +19,7 @@ from agent.projections import fp32_projections, int8_projections, lm_head
 from agent.attention import NativeAttention, PlainAttention
 from agent.quant import Int8Rows
 
-BF16_BLOCK = 64  # output columns per 16-bit weight block (agent/kernels/linear_half.cpp)
+BF16_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp)
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 # KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16)
 KV_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
@@ -117,25 +117,45 @@ class PlainLinear(Projection):
         return self.matmul_t(x, self.w0[i])
 
 
-class DnnlLinear(Projection):
-    """fp32 on oneDNN's sgemm (agent/kernels/linear.cpp), [in, out] weights: one layout serves every
-    batch size; for the LM head 2.4x MindSpore's best at one row, 0.9x at 64. The norm and SwiGLU
-    feeding a projection run in its op (agent/kernels/fused_linear.cpp): 3 dispatches less a layer."""
+class NativeLinear(Projection):
+    """A projection on a native op (`op_name`), with the norm and SwiGLU feeding it fused into its op
+    (`fused`; agent/kernels/fused_linear.cpp and linear_int8.cpp): 3 dispatches less a layer."""
 
-    op_name = "linear"
-    fused = ("add_rms_linear", "swiglu_linear")
-
-    @staticmethod
-    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (np.ascontiguousarray(mat.T, np.float32),)
+    op_name = ""
+    fused = ("", "")
 
     def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
         super().__init__(norms, layers, k, width)
         self.op = k[self.op_name]
         self.add_rms_op, self.swiglu_op = (k[name] for name in self.fused)
 
+
+class F32Linear(NativeLinear):
+    """fp32 weights in column blocks [N/64, K, 64] (agent/kernels/linear_blocks.cpp): a streaming
+    loop for a few rows (a one-row step at the memory bandwidth), oneDNN's batched matmul for many.
+    Widths that are not a multiple of 64 are padded and the extra columns dropped."""
+
+    op_name = "linear_blocks"
+    fused = ("add_rms_linear", "swiglu_linear")
+
+    @staticmethod
+    def convert(mat: np.ndarray) -> np.ndarray:
+        return np.asarray(mat, np.float32)
+
+    @classmethod
+    def stored(cls, mat: np.ndarray) -> tuple[np.ndarray, ...]:
+        n, k = mat.shape
+        pad = -n % BF16_BLOCK
+        blocks = cls.convert(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
+        return (np.ascontiguousarray(blocks.reshape(-1, BF16_BLOCK, k).transpose(0, 2, 1)),)
+
+    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+        super().__init__(norms, layers, k, width)
+        self.width = width
+        self.padded = layers[0][0].shape[0] * BF16_BLOCK != width
+
     def out(self, y: Tensor) -> Tensor:
-        return y
+        return y[:, :self.width] if self.padded else y
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.out(self.op(x, self.w0[i]))
@@ -148,44 +168,25 @@ class DnnlLinear(Projection):
         return self.out(self.swiglu_op(gu, self.w0[i]))
 
 
-class Bf16Linear(DnnlLinear):
-    """bf16 weights in column blocks [N/64, K, 64] (agent/kernels/linear_half.cpp): half the memory
-    and bytes streamed per step; oneDNN's bf16 matmul for many rows where the CPU has AVX512-BF16 or
-    AMX. Widths that are not a multiple of 64 are padded and the extra columns dropped."""
-
-    op_name = "linear_half"
-    fused = ("add_rms_linear_half", "swiglu_linear_half")
+class Bf16Linear(F32Linear):
+    """bf16 weights, same blocks and kernel: half the memory and bytes streamed per step; oneDNN's
+    bf16 matmul for many rows where the CPU has AVX512-BF16 or AMX."""
 
     @staticmethod
-    def half(mat: np.ndarray) -> np.ndarray:
+    def convert(mat: np.ndarray) -> np.ndarray:
         return bf16_bits(mat)
 
-    @classmethod
-    def stored(cls, mat: np.ndarray) -> tuple[np.ndarray, ...]:
-        n, k = mat.shape
-        pad = -n % BF16_BLOCK
-        bits = cls.half(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
-        return (np.ascontiguousarray(bits.reshape(-1, BF16_BLOCK, k).transpose(0, 2, 1)),)
 
-    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
-        super().__init__(norms, layers, k, width)
-        self.width = width
-        self.padded = layers[0][0].shape[0] * BF16_BLOCK != width
-
-    def out(self, y: Tensor) -> Tensor:
-        return y[:, :self.width] if self.padded else y
-
-
-class F16Linear(Bf16Linear):
+class F16Linear(F32Linear):
     """float16 weights, same blocks and kernel; activations stay fp32 (f16's range would overflow
     on large ones), weights widened as they are read."""
 
     @staticmethod
-    def half(mat: np.ndarray) -> np.ndarray:
+    def convert(mat: np.ndarray) -> np.ndarray:
         return np.asarray(mat, np.float16)
 
 
-class Int8Linear(DnnlLinear):
+class Int8Linear(NativeLinear):
     """W8A8 (agent/kernels/linear_int8.cpp): int8 rows, their group scales and the input factor
     (norm gain over the smoothing factor) applied where the kernel quantises the activations; the
     norm and SwiGLU feeding a projection run in that same pass (a dispatch less each)."""
@@ -248,7 +249,7 @@ class Backend:
     def projection_cls(self) -> type[Projection]:
         if self.lib is None:
             return PlainLinear
-        return {"float32": DnnlLinear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
+        return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
 
     def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
                     k: dict[str, Any]) -> dict[str, Projection]:

@@ -284,6 +284,16 @@ def _quiet_console(port: int) -> Path | None:
     return path
 
 
+def activation_estimate(model_cfg: Any, cfg: Any) -> int:
+    """The memory plan's activation bytes for this model and the largest step (common/memory.py)."""
+    from common.memory import ModelShape, activation_bytes
+
+    m = model_cfg
+    shape = ModelShape(m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads,
+                       m.head_dim)
+    return activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
+
+
 def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     device_id = cfg.start_device_id + index
@@ -328,6 +338,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
             "device": device, "device_id": device_id,
             "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
             "kv_cache_bytes": runner.model.kv_cache_bytes, "kv_cache_dtype": runner.kv_dtype,
+            "streamed_bytes": runner.model.streamed_bytes, "activation_bytes": activation_estimate(model_cfg, cfg),
             "launcher_pid": owner_pid, "kernels": runner.kernel_paths}  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))

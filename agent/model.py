@@ -103,6 +103,13 @@ class LlamaModel(nn.Cell):
         return sum(p.nbytes for p in self.get_parameters() if "_cache" not in p.name)
 
     @property
+    def streamed_bytes(self) -> int:
+        """Weight bytes every decode step reads: all but the embedding table (one row per token)
+        and the rope tables."""
+        skip = ("embed", "cos_table", "sin_table", "_cache")
+        return sum(p.nbytes for p in self.get_parameters() if not any(s in p.name for s in skip))
+
+    @property
     def kv_cache_bytes(self) -> int:
         return sum(p.nbytes for p in self.get_parameters() if "_cache" in p.name)
 

@@ -31,6 +31,8 @@ __all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
 log = logging.getLogger("llm_serving.engine")
 IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this long per turn
 RETRY_AFTER_MAX_S = 600
+# What each agent reports of its memory at attach (agent/main.py), shown by /stats and /info.
+MEMORY_KEYS = ("weight_bytes", "streamed_bytes", "kv_cache_bytes", "kv_cache_dtype", "activation_bytes", "kernels")
 
 
 def drain_eta_s(queued: int, finished_at: list[float]) -> int:
@@ -116,6 +118,10 @@ class Engine:
         """The dtype the agents run the model in (float32, bfloat16, int8), as they reported at attach."""
         return str(self.lanes[0].client.info.get("model_dtype", "float32"))
 
+    def memory(self) -> list[dict[str, Any]]:
+        """Per agent: weight, streamed, KV and activation bytes, the KV dtype and the kernel path."""
+        return [{k: lane.client.info.get(k) for k in MEMORY_KEYS} for lane in self.lanes]
+
     def stats(self) -> dict[str, Any]:
         running = sum(len(lane.sched.running) for lane in self.lanes)
         waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()
@@ -123,8 +129,7 @@ class Engine:
                 "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.stepper.step_count,
                 "devices": [f"{lane.client.info.get('device', '?')}:{lane.client.info.get('device_id', '?')}"
                             for lane in self.lanes],
-                "memory": [{k: lane.client.info.get(k) for k in ("weight_bytes", "kv_cache_bytes", "kernels")}
-                           for lane in self.lanes],
+                "memory": self.memory(),
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread

@@ -1,5 +1,5 @@
-"""bfloat16 and float16 weights (agent/kernels/linear_half.cpp through agent.layers.Bf16Linear /
-F16Linear) and 16-bit KV
+"""Weight blocks in fp32, bfloat16 and float16 (agent/kernels/linear_blocks.cpp through
+agent.layers.F32Linear / Bf16Linear / F16Linear) and 16-bit KV
 caches (kv_cache_dtype; agent/kernels/paged_attention.cpp reads them): every kernel path against
 float64 NumPy on the same bf16 values, including the paths this CPU does not take by itself (the
 AVX2 build, and oneDNN limited to AVX2 so it has no bf16 math); the tiny model against the float64
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from agent import kernels
-from agent.layers import BF16_BLOCK, Bf16Linear, F16Linear, bf16_bits
+from agent.layers import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear, bf16_bits
 from common.cpu import cpu_flags
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
@@ -35,29 +35,29 @@ def as_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def check_kernel(lib_path: str) -> str:
-    """Runs every CASE through LinearHalf of `lib_path` with bf16 and f16 weights; returns the
-    paths the library reports."""
+    """Runs every CASE through LinearBlocks of `lib_path` with fp32, bf16 and f16 weights; returns
+    the paths the library reports."""
     import ctypes
 
     lib = ctypes.CDLL(lib_path)
-    lib.Bf16KernelPath.restype = lib.F16KernelPath.restype = ctypes.c_char_p
-    for cls in (Bf16Linear, F16Linear):
+    lib.Bf16KernelPath.restype = lib.F16KernelPath.restype = lib.F32KernelPath.restype = ctypes.c_char_p
+    for cls in (F32Linear, Bf16Linear, F16Linear):
         for m, k, n in CASES:
             rng = np.random.default_rng(m * k + n)
             w = rng.standard_normal((n, k)).astype(np.float32)
             x = rng.standard_normal((m, k)).astype(np.float32) * 3
             (stored,) = cls.stored(w)
             y = np.zeros((m, stored.shape[0] * BF16_BLOCK), np.float32)
-            assert _call(lib, "LinearHalf", [x, stored, y]) == 0
+            assert _call(lib, "LinearBlocks", [x, stored, y]) == 0
             if cls is Bf16Linear:  # the kernel's own semantics: bf16 x and w, exact products, fp32 sums
                 xh, wh = as_f32(bf16_bits(x)).astype(np.float64), as_f32(bf16_bits(w)).astype(np.float64)
-            else:  # f16: fp32 x, f16 w
-                xh, wh = x.astype(np.float64), w.astype(np.float16).astype(np.float64)
+            else:  # fp32 x; f16 or fp32 w
+                xh, wh = x.astype(np.float64), cls.convert(w).astype(np.float64)
             want, scale = xh @ wh.T, np.abs(xh) @ np.abs(wh).T
             np.testing.assert_array_less(np.abs(y[:, :n] - want), 1e-5 * scale + 1e-6,
                                          err_msg=f"{cls.__name__} {m},{k},{n}")
             assert not y[:, n:].any()  # padded columns stay zero
-    return lib.Bf16KernelPath().decode() + " | " + lib.F16KernelPath().decode()
+    return " | ".join(getattr(lib, f)().decode() for f in ("F32KernelPath", "Bf16KernelPath", "F16KernelPath"))
 
 
 def test_kernel_as_built_for_this_cpu():
@@ -83,7 +83,7 @@ def test_avx2_build_without_onednn_bf16(tmp_path):
         pytest.skip("the AVX2 bf16 path cannot run on this CPU (no AVX2/FMA)")
     lib = tmp_path / "half-haswell.so"
     flags = [f for f in kernels.FLAGS if not f.startswith("-march")]
-    subprocess.run(["g++", *flags, "-march=haswell", "-o", str(lib), str(kernels.KERNEL_DIR / "linear_half.cpp"),
+    subprocess.run(["g++", *flags, "-march=haswell", "-o", str(lib), str(kernels.KERNEL_DIR / "linear_blocks.cpp"),
                     *kernels._dnnl_flags()], check=True, capture_output=True)
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", _AVX2_CHILD, str(lib)], env=env, capture_output=True, text=True,

@@ -84,7 +84,7 @@ def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
             super().__init__()
             self.w1 = ms.Parameter(Tensor(w1), name="w1")
             self.w2 = ms.Parameter(Tensor(w2), name="w2")
-            self.op = ops.Custom(f"{lib}:Linear", out_shape=lambda x, w: [x[0], w[1]],
+            self.op = ops.Custom(f"{lib}:LinearBlocks", out_shape=lambda x, w: [x[0], w[0] * w[2]],
                                  out_dtype=lambda x, w: x, func_type="aot")
 
         def construct(self, x):
@@ -94,11 +94,14 @@ def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
     x = rng.standard_normal((m, k), dtype=np.float32)
     w1 = rng.standard_normal((k, n), dtype=np.float32)
     w2 = rng.standard_normal((k, n), dtype=np.float32)
-    y1, y2 = TwoLinears(w1, w2)(Tensor(x))
+    from agent.layers import F32Linear
+
+    (b1,), (b2,) = F32Linear.stored(w1.T), F32Linear.stored(w2.T)  # [out, in] -> 64-column blocks
+    y1, y2 = TwoLinears(b1, b2)(Tensor(x))
     x64 = x.astype(np.float64)
     tol = 1e-5 * np.sqrt(k)  # float32 accumulation error over k products of unit-variance terms
-    np.testing.assert_allclose(y1.asnumpy(), x64 @ w1, atol=tol, rtol=1e-5)
-    np.testing.assert_allclose(y2.asnumpy(), x64 @ w2, atol=tol, rtol=1e-5)
+    np.testing.assert_allclose(y1.asnumpy()[:, :n], x64 @ w1, atol=tol, rtol=1e-5)
+    np.testing.assert_allclose(y2.asnumpy()[:, :n], x64 @ w2, atol=tol, rtol=1e-5)
 
 
 def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp_path, caplog):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from common.cpu import copy_bandwidth, describe  # noqa: E402
+from common.cpu import describe, read_bandwidth  # noqa: E402
 
 
 class NumpyLlama:
@@ -236,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     report(f"prefill {args.prefill} tokens", [ms_prefill(r) for r in runners.values()], NumpyLlama(cfg, weights, 1, max_len),
            (np.arange(args.prefill) + 100)[None], 0, per_token=args.prefill)
     if 1 in steps:  # a one-row decode step reads every weight once: memory bandwidth bounds it
-        bw = copy_bandwidth(len(os.sched_getaffinity(0)))
-        print(f"weight-streaming limit at {bw / 1e9:.1f} GB/s (copy bandwidth of {len(os.sched_getaffinity(0))} cores):")
+        bw = read_bandwidth(len(os.sched_getaffinity(0)))
+        print(f"weight-streaming limit at {bw / 1e9:.1f} GB/s (read bandwidth of {len(os.sched_getaffinity(0))} cores):")
         for v, r in runners.items():
-            limit = r.model.weight_bytes / bw
+            limit = r.model.streamed_bytes / bw
             took = steps[1]["ms" if v == variants[0] else v]
             print(f"  {v}: decode B=1 {took * 1e3:.1f} ms, limit {limit * 1e3:.1f} ms ({took / limit:.2f}x)")
     return 0

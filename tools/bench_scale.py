@@ -1,7 +1,7 @@
 """Scale benchmark: one server on a real-size model, started as a new user starts it. Prints the
 CPU, the `--dry-run` plan against the measured peak RSS of the process tree, time to ready, one
 stream's TTFT/TPOT, N requests all at once (llm-bench), and one stream's step time against the
-weight-streaming limit (weight bytes / memory copy bandwidth of this machine's cores).
+weight-streaming limit (bytes a decode step reads / read bandwidth of this machine's cores).
 
     python tools/export_model.py --random --shape llama-7b --dtype bf16 --gguf "" --out .peers/models/llama-7b
     python tools/bench_scale.py --model .peers/models/llama-7b --dtype bfloat16 --kv-cache-memory 4.1GiB
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
-from common.cpu import copy_bandwidth, describe  # noqa: E402
+from common.cpu import describe, read_bandwidth  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(60)
-    bw = copy_bandwidth(len(os.sched_getaffinity(0)))
-    limit = weights / bw
+    bw = read_bandwidth(len(os.sched_getaffinity(0)))
+    limit = stats["memory"][0]["streamed_bytes"] / bw
     print(f"model {args.model} ({args.dtype}); kernels: {stats['memory'][0]['kernels']}")
     print(f"| ready | peak RSS (tree) | plan | weights | KV | one stream TTFT / TPOT | {args.num_prompts} x "
           f"{args.input_len}/{args.output_len}: out tok/s, TTFT p99 | B=1 step vs streaming limit |")

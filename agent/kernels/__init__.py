@@ -103,20 +103,18 @@ def library() -> str | None:
 
 
 def kernel_paths(lib: str | None, dtype: str) -> str:
-    """What the projections run on for `dtype`: oneDNN's sgemm (float32), or the bf16 / f16 / int8 path
-    this build and this CPU take."""
+    """The path the projections of `dtype` take with this build on this CPU."""
     if lib is None:
         return "plain MindSpore ops (native kernels off)"
-    if dtype == "float32":
-        return "fp32: oneDNN sgemm"
-    fn = getattr(ctypes.CDLL(lib), {"int8": "Int8KernelPath", "bfloat16": "Bf16KernelPath"}.get(dtype, "F16KernelPath"))
+    fn = getattr(ctypes.CDLL(lib), {"int8": "Int8KernelPath", "bfloat16": "Bf16KernelPath", "float16": "F16KernelPath",
+                                    "float32": "F32KernelPath"}[dtype])
     fn.restype = ctypes.c_char_p
     return fn().decode()
 
 
 def custom_ops(lib: str, q_size: int, kv: int, hd: int, kv_dtype: Any) -> dict[str, Any]:
-    """The kernels as MindSpore AOT custom ops, by name: the projections (fp32 on oneDNN's sgemm,
-    bf16 / f16, int8 alone or fused with the norm / SwiGLU feeding it), paged attention reading the cache
+    """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
+    blocks; int8; alone or fused with the norm / SwiGLU feeding them), paged attention reading the cache
     by slot, and RMSNorm / rope / SwiGLU each as one op instead of 4-5. `kv_dtype`: the MindSpore
     dtype the KV cache is stored in (rope writes k and v in it)."""
     from mindspore import ops
@@ -127,12 +125,9 @@ def custom_ops(lib: str, q_size: int, kv: int, hd: int, kv_dtype: Any) -> dict[s
     same = lambda x, *_: x  # noqa: E731
     pair = lambda x, *_: (x, x)  # noqa: E731
     return {
-        "linear": custom("Linear", lambda x, w: [x[0], w[1]], same),
-        "linear_half": custom("LinearHalf", lambda x, w: [x[0], w[0] * w[2]], same),
-        "add_rms_linear": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[1]]), pair),
-        "add_rms_linear_half": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[0] * w[2]]), pair),
-        "swiglu_linear": custom("SwiGluLinear", lambda gu, w: [gu[0], w[1]], same),
-        "swiglu_linear_half": custom("SwiGluLinear", lambda gu, w: [gu[0], w[0] * w[2]], same),
+        "linear_blocks": custom("LinearBlocks", lambda x, w: [x[0], w[0] * w[2]], same),
+        "add_rms_linear": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[0] * w[2]]), pair),
+        "swiglu_linear": custom("SwiGluLinear", lambda gu, w: [gu[0], w[0] * w[2]], same),
         "linear_i8": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
         "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
         "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),

@@ -1,8 +1,8 @@
 // The residual add + RMSNorm, or SwiGLU, that feeds a float projection, and the projection, as one
 // MindSpore op: a dispatch less per norm and per MLP (3 of a layer's ops; each costs ~20 us whatever
 // its size, and a one-row decode step of SmolLM2 is ~300 of them). The element-wise step runs over
-// the rows first (rows.h, as its own op would), then the projection's core (linear.h): fp32 weights
-// [K, N] on oneDNN's sgemm, or 16-bit column blocks [N/64, K, 64] (bf16 bits as uint16, or f16).
+// the rows first (rows.h, as its own op would), then the projection's core (linear.h): weights in
+// column blocks [N/64, K, 64], fp32, bf16 bits (uint16) or f16.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -13,15 +13,12 @@
 
 namespace {
 
-// y = h @ w for whichever weight layout w is (see above); nonzero when none fits.
+// y = h @ w for whichever weight format w is (see above); nonzero when none fits.
 int project(const float *h, int64_t m, int64_t k, void *w, const char *dtype, int ndim, const int64_t *shape,
             float *y) {
-  if (!std::strcmp(dtype, "float32") && ndim == 2 && shape[0] == k)
-    return kernels::linear_f32(h, m, k, static_cast<const float *>(w), shape[1], y);
-  const bool bf16 = !std::strcmp(dtype, "uint16");
-  if ((bf16 || !std::strcmp(dtype, "float16")) && ndim == 3 && shape[1] == k && shape[2] == 64)
-    return kernels::linear_half(h, m, k, shape[0], static_cast<const uint16_t *>(w), y, bf16);
-  return 1;
+  kernels::Weights kind;
+  if (!kernels::weight_kind(dtype, ndim, shape, k, &kind)) return 1;
+  return kernels::linear_blocks(h, m, k, shape[0], w, kind, y);
 }
 
 }  // namespace

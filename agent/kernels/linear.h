@@ -1,14 +1,16 @@
-// The float projections' cores, shared by their plain ops (linear.cpp, linear_half.cpp) and the
+// The float projections' core, shared by their plain op (LinearBlocks, linear_blocks.cpp) and the
 // fused ones that run the norm or SwiGLU feeding them first (fused_linear.cpp).
 #pragma once
 #include <cstdint>
 
 namespace kernels {
 
-// y [m, n] = x [m, k] @ w [k, n], fp32 (oneDNN sgemm, columns split over the pinned cores).
-int linear_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y);
+enum class Weights { F32, BF16, F16 };
 
-// y [m, blocks * 64] = x [m, k] @ w, w in 16-bit column blocks [blocks, k, 64] (bf16 bits or f16).
-int linear_half(const float *x, int64_t m, int64_t k, int64_t blocks, const uint16_t *w, float *y, bool bf16);
+// y [m, blocks * 64] = x [m, k] @ w, w in column blocks [blocks, k, 64] of `kind`.
+int linear_blocks(const float *x, int64_t m, int64_t k, int64_t blocks, const void *w, Weights kind, float *y);
+
+// The kind of a weight input from its MindSpore dtype and shape ([blocks, k, 64]); false if none.
+bool weight_kind(const char *dtype, int ndim, const int64_t *shape, int64_t k, Weights *kind);
 
 }  // namespace kernels

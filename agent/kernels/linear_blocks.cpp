@@ -1,25 +1,26 @@
-// y = x @ w for projections whose weights stay bfloat16 or float16 in memory (half the bytes of fp32;
-// a decode step streams every weight once, so it is up to twice as fast wherever memory bandwidth
-// bounds it).
+// y = x @ w for the decoder's float projections, weights in column blocks of NB = 64: w [N/NB, K, NB]
+// (agent/layers.py writes them), so one block is a contiguous [K, NB] matrix: the hand-written loop
+// streams it front to back, and oneDNN reads it as one batch entry of a batched matmul. Weights are
+// fp32, or stay bfloat16 / float16 in memory (half the bytes: a decode step reads every weight once,
+// so up to twice as fast wherever memory bandwidth bounds it).
 //
-// Weights are stored in column blocks of NB = 64: w [N/NB, K, NB] (agent/layers.py writes them), so
-// one block is a contiguous [K, NB] matrix: the hand-written path streams it front to back, and
-// oneDNN reads it as one batch entry of a batched matmul. Measured on a 2-vCPU Zen 4 (AVX512-BF16),
-// one core, against fp32 sgemm on [K, N]: oneDNN bf16 on this layout 1.7-2.2x at M = 64-256 and
-// 1.3-2.9x at M = 8; on plain [K, N] rows it was 1.4-1.9x, and 0.4-1.0x at M = 1, where its brgemm
-// is poor: a few rows go through the hand-written loop below instead, which converts each weight to
-// fp32 (a 16-bit shift) and multiplies in fp32.
+// Measured on a 2-vCPU Zen 4 (AVX512-BF16), one core, against fp32 sgemm on plain [K, N] rows:
+// oneDNN's batched matmul on this layout, fp32 1.0-1.15x at M >= 64 and 1.0-2.2x at M = 8; bf16
+// 1.7-2.2x at M = 64-256 and 1.3-2.9x at M = 8 (on plain rows 1.4-1.9x, and 0.4-1.0x at M = 1,
+// where its brgemm is poor). Fewer than ONEDNN_MIN_M rows go through the streaming loop below
+// (fp32 FMAs on weights widened as they are loaded): a one-row fp32 step ran at 1.7x the
+// weight-streaming limit on sgemm.
 //
 // bf16: every path computes the same thing: x rounded to bf16, exact products, fp32 sums (summation
-// order aside). f16: x stays fp32 (f16's range would overflow on large activations) and the weights
-// are widened, on every path; oneDNN's f16 matmul needs AVX512-FP16 / AMX-FP16 and rounds x to f16,
-// so it is not used. Paths, chosen per call and reported by Bf16KernelPath() / F16KernelPath():
-// - M < ONEDNN_MIN_M: the hand-written streaming loop (AVX-512 or AVX2 FMAs).
-// - M >= ONEDNN_MIN_M, bf16, with AVX512-BF16 or AMX: oneDNN's bf16 matmul.
-// - M >= ONEDNN_MIN_M otherwise (f16; bf16 on AVX2 CPUs): weight tiles converted to fp32 in a
-//   per-thread buffer and multiplied by oneDNN's sgemm: fp32 speed, 16-bit memory.
+// order aside), so a row's tokens do not depend on its step's row count. f16: x stays fp32 (f16's
+// range would overflow on large activations); oneDNN's f16 matmul needs AVX512-FP16 / AMX-FP16 and
+// rounds x to f16, so it is not used. Paths, chosen per call (Bf16KernelPath() / F16KernelPath()):
+// - M < ONEDNN_MIN_M: the streaming loop (AVX-512 or AVX2 FMAs).
+// - M >= ONEDNN_MIN_M, fp32, or bf16 with AVX512-BF16 / AMX: oneDNN's batched matmul.
+// - M >= ONEDNN_MIN_M otherwise (f16; bf16 on AVX2 CPUs; fp32 where oneDNN fails): weight tiles
+//   widened to fp32 in a per-thread buffer and multiplied by oneDNN's sgemm.
 //
-// Inputs: x [M, K] float32, w [N/NB, K, NB] uint16 (bf16 bits) or float16. Output: y [M, N] float32.
+// Inputs: x [M, K] float32, w [N/NB, K, NB] float32, uint16 (bf16 bits) or float16. Output: y [M, N].
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -56,8 +57,19 @@ inline float f16_to_f32(uint16_t h) {
   return static_cast<float>(f);
 }
 
-// The two weight formats: 16 bits each, widened to fp32 as they are loaded.
+// The weight formats, widened to fp32 as they are loaded.
+struct F32W {
+  using T = float;
+  static float widen(float x) { return x; }
+#if defined(__AVX512F__)
+  static __m512 widen16(const float *p) { return _mm512_loadu_ps(p); }
+#elif defined(__AVX2__)
+  static __m256 widen8(const float *p) { return _mm256_loadu_ps(p); }
+#endif
+};
+
 struct Bf16W {
+  using T = uint16_t;
   static float widen(uint16_t b) { return bf16_to_f32(b); }
 #if defined(__AVX512F__)
   static __m512 widen16(const uint16_t *p) {
@@ -73,6 +85,7 @@ struct Bf16W {
 };
 
 struct F16W {
+  using T = uint16_t;
   static float widen(uint16_t h) { return f16_to_f32(h); }
 #if defined(__AVX512F__)
   static __m512 widen16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p))); }
@@ -90,13 +103,13 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even
 // y[r, 0:NB] = x[r, :] @ block for R rows: the block is read once for all R rows; accumulators
 // live in registers (AVX-512: 4 x 16 columns x R = 4 rows; AVX2: 8 x 8 columns x R = 1 row).
 template <int R, typename W>
-void block_rows(const float *x, int64_t k, const uint16_t *blk, float *y, int64_t ldy) {
+void block_rows(const float *x, int64_t k, const typename W::T *blk, float *y, int64_t ldy) {
 #if defined(__AVX512F__)
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    const uint16_t *row = blk + i * NB;
+    const typename W::T *row = blk + i * NB;
     __m512 w[4];
     for (int j = 0; j < 4; ++j) w[j] = W::widen16(row + 16 * j);
     for (int r = 0; r < R; ++r) {
@@ -111,7 +124,7 @@ void block_rows(const float *x, int64_t k, const uint16_t *blk, float *y, int64_
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 8; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    const uint16_t *row = blk + i * NB;
+    const typename W::T *row = blk + i * NB;
     for (int j = 0; j < 8; ++j) {
       const __m256 w = W::widen8(row + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + i]), w, acc[r][j]);
@@ -136,9 +149,10 @@ constexpr int ROWS = 1;
 
 // Blocks [b, e) of the streaming loop, ROWS rows at a time.
 template <typename W>
-void stream_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16_t *w, float *y, int64_t b, int64_t e) {
+void stream_blocks(const float *x, int64_t m, int64_t k, int64_t n, const typename W::T *w, float *y, int64_t b,
+                   int64_t e) {
   for (int64_t blk = b; blk < e; ++blk) {
-    const uint16_t *wb = w + blk * k * NB;
+    const typename W::T *wb = w + blk * k * NB;
     int64_t r = 0;
     for (; r + ROWS <= m; r += ROWS) block_rows<ROWS, W>(x + r * k, k, wb, y + r * n + blk * NB, n);
     for (; r < m; ++r) block_rows<1, W>(x + r * k, k, wb, y + r * n + blk * NB, n);
@@ -147,7 +161,7 @@ void stream_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16
 
 // One block row (NB values) widened to fp32, in vectors where the CPU has them.
 template <typename W>
-inline void widen_row(const uint16_t *src, float *dst) {
+inline void widen_row(const typename W::T *src, float *dst) {
 #if defined(__AVX512F__)
   for (int64_t c = 0; c < NB; c += 16) _mm512_storeu_ps(dst + c, W::widen16(src + c));
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -162,7 +176,8 @@ inline void widen_row(const uint16_t *src, float *dst) {
 // 0.8x fp32 at M = 64.
 constexpr int64_t KC = 256, CB = 4;
 template <typename W>
-int convert_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16_t *w, float *y, int64_t b, int64_t e) {
+int convert_blocks(const float *x, int64_t m, int64_t k, int64_t n, const typename W::T *w, float *y, int64_t b,
+                   int64_t e) {
   thread_local std::vector<float> buf;
   buf.resize(KC * CB * NB);
   for (int64_t c0 = b; c0 < e; c0 += CB) {
@@ -170,7 +185,7 @@ int convert_blocks(const float *x, int64_t m, int64_t k, int64_t n, const uint16
     for (int64_t k0 = 0; k0 < k; k0 += KC) {
       const int64_t kc = std::min(KC, k - k0);
       for (int64_t j = 0; j < cb; ++j) {
-        const uint16_t *src = w + (c0 + j) * k * NB + k0 * NB;
+        const typename W::T *src = w + (c0 + j) * k * NB + k0 * NB;
         for (int64_t i = 0; i < kc; ++i) widen_row<W>(src + i * NB, &buf[i * cols + j * NB]);
       }
       if (dnnl_sgemm('N', 'N', m, cols, kc, 1.f, x + k0, k, buf.data(), cols, k0 ? 1.f : 0.f, y + c0 * NB, n)) return 1;
@@ -206,11 +221,12 @@ dnnl_memory_desc_t strided(std::initializer_list<int64_t> dims, int dt, std::ini
                                                                                                             : nullptr;
 }
 
-std::unique_ptr<Dnnl> build(int64_t m, int64_t k, int64_t blocks, int64_t n) {
+// dt: dnnl_f32 or dnnl_bf16, for x and w alike.
+std::unique_ptr<Dnnl> build(int dt, int64_t m, int64_t k, int64_t blocks, int64_t n) {
   dnnl_engine_t eng = engine();
   if (!eng) return nullptr;
-  dnnl_memory_desc_t sm = strided({1, m, k}, dnnl_bf16, {m * k, k, 1});
-  dnnl_memory_desc_t wm = strided({blocks, k, NB}, dnnl_bf16, {k * NB, NB, 1});
+  dnnl_memory_desc_t sm = strided({1, m, k}, dt, {m * k, k, 1});
+  dnnl_memory_desc_t wm = strided({blocks, k, NB}, dt, {k * NB, NB, 1});
   dnnl_memory_desc_t dm = strided({blocks, m, NB}, dnnl_f32, {NB, n, 1});
   dnnl_primitive_attr_t attr = nullptr;
   dnnl_primitive_attr_create(&attr);
@@ -244,22 +260,24 @@ bool native_bf16(const std::string &impl) {
 
 const std::string &probe_impl() {
   static const std::string impl = [] {
-    auto d = build(ONEDNN_MIN_M, 256, 1, NB);
+    auto d = build(dnnl_bf16, ONEDNN_MIN_M, 256, 1, NB);
     return d ? d->impl : std::string();
   }();
   return impl;
 }
 
-int dnnl_blocks(const uint16_t *xb, int64_t m, int64_t k, int64_t n, const uint16_t *w, float *y, int64_t b, int64_t e) {
-  thread_local std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Dnnl>> cache;
-  auto &d = cache[{m, k, e - b, n}];
-  if (!d && !(d = build(m, k, e - b, n))) return 1;
+// Blocks [b, e) by oneDNN; x and w both of `dt` (elements of `size` bytes).
+int dnnl_blocks(int dt, const void *x, int64_t m, int64_t k, int64_t n, const void *w, float *y, int64_t b, int64_t e) {
+  thread_local std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Dnnl>> cache;
+  auto &d = cache[{dt, m, k, e - b, n}];
+  if (!d && !(d = build(dt, m, k, e - b, n))) return 1;
+  const int64_t size = dt == dnnl_f32 ? 4 : 2;
   dnnl_stream_t stream = nullptr;
   thread_local dnnl_stream_t own = nullptr;
   if (!own && dnnl_stream_create(&own, engine(), dnnl_stream_in_order) != dnnl_success) return 1;
   stream = own;
-  dnnl_memory_set_data_handle(d->src, const_cast<uint16_t *>(xb));
-  dnnl_memory_set_data_handle(d->wei, const_cast<uint16_t *>(w + b * k * NB));
+  dnnl_memory_set_data_handle(d->src, const_cast<void *>(x));
+  dnnl_memory_set_data_handle(d->wei, const_cast<char *>(static_cast<const char *>(w) + b * k * NB * size));
   dnnl_memory_set_data_handle(d->dst, y + b * NB);
   const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, d->src}, {DNNL_ARG_WEIGHTS, d->wei}, {DNNL_ARG_DST, d->dst},
                                   {DNNL_ARG_SCRATCHPAD, d->scratch}};
@@ -276,38 +294,53 @@ const char *const STREAM_ISA =
     "scalar";
 #endif
 
-}  // namespace
-
-// x [m, k] for the many-rows fallback and the streaming loop: bf16 rounds it (see above), f16 not.
-int kernels::linear_half(const float *x, int64_t m, int64_t k, int64_t blocks, const uint16_t *w, float *y,
-                         bool bf16) {
-  const int64_t n = blocks * NB;
+template <typename W>
+int blocks_path(const float *x, int64_t m, int64_t k, int64_t blocks, const typename W::T *w, float *y) {
   std::atomic<int> status{0};
-  const float *xf = x;
-  if (bf16) {  // a row's result then does not depend on which path its step's row count chose
-    thread_local std::vector<uint16_t> xb;
-    thread_local std::vector<float> xr;
-    xb.resize(m * k);
-    for (int64_t i = 0; i < m * k; ++i) xb[i] = f32_to_bf16(x[i]);
-    const uint16_t *src = xb.data();
-    if (m >= ONEDNN_MIN_M && native_bf16(probe_impl())) {
-      kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
-        if (dnnl_blocks(src, m, k, n, w, y, b, e)) status.store(1);
-      });
-      return status;
-    }
-    xr.resize(m * k);
-    for (int64_t i = 0; i < m * k; ++i) xr[i] = bf16_to_f32(src[i]);
-    xf = xr.data();
-  }
   kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
-    if (m < ONEDNN_MIN_M) {
-      bf16 ? stream_blocks<Bf16W>(xf, m, k, n, w, y, b, e) : stream_blocks<F16W>(xf, m, k, n, w, y, b, e);
-    } else if (bf16 ? convert_blocks<Bf16W>(xf, m, k, n, w, y, b, e) : convert_blocks<F16W>(xf, m, k, n, w, y, b, e)) {
-      status.store(1);
-    }
+    if (m < ONEDNN_MIN_M) stream_blocks<W>(x, m, k, blocks * NB, w, y, b, e);
+    else if (convert_blocks<W>(x, m, k, blocks * NB, w, y, b, e)) status.store(1);
   });
   return status;
+}
+
+int onednn_path(int dt, const void *x, int64_t m, int64_t k, int64_t blocks, const void *w, float *y) {
+  std::atomic<int> status{0};
+  kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
+    if (dnnl_blocks(dt, x, m, k, blocks * NB, w, y, b, e)) status.store(1);
+  });
+  return status;
+}
+
+}  // namespace
+
+int kernels::linear_blocks(const float *x, int64_t m, int64_t k, int64_t blocks, const void *w, Weights kind,
+                           float *y) {
+  if (kind == Weights::F32) {
+    const float *wf = static_cast<const float *>(w);
+    if (m >= ONEDNN_MIN_M && onednn_path(dnnl_f32, x, m, k, blocks, w, y) == 0) return 0;
+    return blocks_path<F32W>(x, m, k, blocks, wf, y);  // few rows, or oneDNN failed: widen = copy
+  }
+  const uint16_t *wh = static_cast<const uint16_t *>(w);
+  if (kind == Weights::F16) return blocks_path<F16W>(x, m, k, blocks, wh, y);
+  // bf16: x rounded first, on every path (see above)
+  thread_local std::vector<uint16_t> xb;
+  thread_local std::vector<float> xr;
+  xb.resize(m * k);
+  for (int64_t i = 0; i < m * k; ++i) xb[i] = f32_to_bf16(x[i]);
+  if (m >= ONEDNN_MIN_M && native_bf16(probe_impl())) return onednn_path(dnnl_bf16, xb.data(), m, k, blocks, w, y);
+  xr.resize(m * k);
+  for (int64_t i = 0; i < m * k; ++i) xr[i] = bf16_to_f32(xb[i]);
+  return blocks_path<Bf16W>(xr.data(), m, k, blocks, wh, y);
+}
+
+bool kernels::weight_kind(const char *dtype, int ndim, const int64_t *shape, int64_t k, Weights *kind) {
+  if (ndim != 3 || shape[1] != k || shape[2] != NB) return false;
+  if (!std::strcmp(dtype, "float32")) *kind = Weights::F32;
+  else if (!std::strcmp(dtype, "uint16")) *kind = Weights::BF16;
+  else if (!std::strcmp(dtype, "float16")) *kind = Weights::F16;
+  else return false;
+  return true;
 }
 
 extern "C" const char *Bf16KernelPath() {
@@ -325,13 +358,17 @@ extern "C" const char *F16KernelPath() {
   return path.c_str();
 }
 
-// Inputs: x [M, K] float32, w [N/NB, K, NB] uint16 (bf16 bits) or float16. Output: y [M, N] float32.
-extern "C" int LinearHalf(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                          void *extra) {
-  const bool bf16 = !std::strcmp(dtypes[1], "uint16");
-  if (nparam != 3 || std::strcmp(dtypes[0], "float32") || !(bf16 || !std::strcmp(dtypes[1], "float16")) ||
-      ndims[1] != 3 || shapes[1][2] != NB || shapes[1][1] != shapes[0][1])
+extern "C" const char *F32KernelPath() {
+  static const std::string path = std::string("fp32: weights in 64-column blocks; few rows: streaming loop (") +
+                                  STREAM_ISA + "); many rows: oneDNN batched matmul";
+  return path.c_str();
+}
+
+extern "C" int LinearBlocks(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                            void *extra) {
+  kernels::Weights kind;
+  if (nparam != 3 || std::strcmp(dtypes[0], "float32") || !kernels::weight_kind(dtypes[1], ndims[1], shapes[1], shapes[0][1], &kind))
     return 1;
-  return kernels::linear_half(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], shapes[1][0],
-                              static_cast<const uint16_t *>(params[1]), static_cast<float *>(params[2]), bf16);
+  return kernels::linear_blocks(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], shapes[1][0],
+                                params[1], kind, static_cast<float *>(params[2]));
 }
