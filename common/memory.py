@@ -105,12 +105,14 @@ def parse_bytes(value: Any) -> int:
 
 def weight_bytes(s: ModelShape, dtype: str) -> int:
     """The weights as agent.layers stores them (one copy each, on every path): projections and LM
-    head in `dtype` (int8: plus a float32 scale per 64 inputs), the embedding and rope tables in
-    float32."""
+    head in `dtype` (int8: plus a float32 scale per 64 inputs; float formats: each width padded to
+    the kernels' 64-column blocks), the embedding and rope tables in float32."""
     per = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
-    projections = s.layers * s.layer_params * per
-    head = s.vocab * s.hidden * per
-    return int(projections + head + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
+    pad = (lambda n: n) if dtype == "int8" else (lambda n: -(-n // 64) * 64)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = s.hidden * (pad(q + 2 * kv) + pad(2 * s.inter)) + (q + s.inter) * pad(s.hidden)
+    head = s.hidden * pad(s.vocab)
+    return int((s.layers * layer + head) * per + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
 
 
 def kv_block_bytes(s: ModelShape, block_size: int, dtype: str = "float32") -> int:

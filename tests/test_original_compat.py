@@ -179,7 +179,9 @@ def test_precision_mode_passes_on_the_same_model_and_fails_on_a_perturbed_one(co
             assert r.returncode == 0, r.stderr
         finally:
             q.stop()
-    files = sorted((tmp_path / "raw-a").glob("*.npy"))
+    from tools.precision import dump_order
+
+    files = dump_order(tmp_path / "raw-a")
     assert [f.name.rsplit("_pos", 1)[1] for f in files] == ["0.npy", "4.npy", "8.npy", "12.npy"] * 2
     assert np.load(files[0]).shape == (272,) and np.load(files[0]).dtype == np.float32  # the whole vocabulary
     same = _client("--precision-compare", "raw-a", "raw-b", cwd=tmp_path)

@@ -20,6 +20,19 @@ import numpy as np
 
 ATOL = 5e-3
 POSITION = re.compile(r"pos(\d+)\.npy$")
+ROW = re.compile(r"req(\d+)_pos(\d+)\.npy$")
+
+
+def dump_order(folder: Path) -> list[Path]:
+    """A dump's files by request (in the order of their sequence ids) and position. By name alone
+    (time first) two requests' files interleave as their steps happened to run, differently in each
+    run, and the pairs compared were of different positions on a loaded machine."""
+    files = sorted(folder.glob("*.npy"))
+    keys = {f: ROW.search(f.name) for f in files}
+    if not all(keys.values()):
+        return files
+    seqs = sorted({int(m[1]) for m in keys.values()})
+    return sorted(files, key=lambda f: (seqs.index(int(keys[f][1])), int(keys[f][2]), f.name))
 
 
 def _greedy(base: str, prompt: str, new: int, logprobs: int = 0) -> dict:
@@ -59,7 +72,7 @@ def compare(a: Path, b: Path) -> bool:
 
 
 def _compare_raw(a: Path, b: Path) -> tuple[bool, float, list[str]]:
-    fa, fb = sorted(a.glob("*.npy")), sorted(b.glob("*.npy"))
+    fa, fb = dump_order(a), dump_order(b)
     if not fa or len(fa) != len(fb):
         raise SystemExit(f"{a} has {len(fa)} .npy files, {b} has {len(fb)}: not the same run")
     ok, worst, lines, first = True, 0.0, [], None
