@@ -141,13 +141,13 @@ def test_16_bit_kv_without_native_kernels_is_refused_clearly():
         Backend("float32", None, "bfloat16")
 
 
-def test_smollm2_16_bit_tracks_fp32():
+def test_smollm2_16_bit_tracks_fp32(smollm2_fp32_eval):
     """Perplexity on the shipped corpus within 1% of fp32 (measured bf16 +0.08%), greedy
     continuations agreeing in their first 4 tokens for >= 80% of prompts, and the weights' bytes
     near half (embeddings stay fp32), for bf16 and f16 weights and KV."""
     from tools.eval_quant import agreement, evaluate
 
-    base = evaluate("smollm2", "float32", 4)
+    base = smollm2_fp32_eval
     for dtype in ("bfloat16", "float16"):
         half = evaluate("smollm2", dtype, 4)
         assert abs(half["perplexity"] / base["perplexity"] - 1) < 0.01, dtype

@@ -116,13 +116,13 @@ def test_half_and_int8_without_native_kernels_are_refused_clearly(dtype):
         Backend(dtype, None)
 
 
-def test_smollm2_int8_tracks_fp32():
+def test_smollm2_int8_tracks_fp32(smollm2_fp32_eval):
     """Perplexity on the shipped corpus within 2% of fp32 (measured +0.39%), and greedy
     continuations of the fixed prompt set agree in their first 4 tokens for >= 80% of prompts
     (measured 92%; llama.cpp's q8_0 against its own f32 on the same prompts: 79%)."""
     from tools.eval_quant import agreement, evaluate
 
-    base = evaluate("smollm2", "float32", 4)
+    base = smollm2_fp32_eval
     int8 = evaluate("smollm2", "int8", 4, group=64)
     assert int8["perplexity"] / base["perplexity"] - 1 < 0.02
     assert agreement(base["greedy"], int8["greedy"]) >= 0.8
