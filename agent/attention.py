@@ -3,8 +3,9 @@ parameter-free cells: `NativeAttention` (agent/kernels: reads K/V straight from 
 and `PlainAttention` (MindSpore primitives, any device: every token gathers a copy of its
 sequence's context, ~8 kernels per layer, same result; tokens in chunks that bound that copy).
 
-Both take a step's `context(...)` once, then per layer `rope_split` (q, k, v from the fused Q|K|V
-projection) and `attention`. Rope tables are the model's parameters, passed in through the context.
+Both take a step's `context(...)` once, then per layer `rope_write` (q from the fused Q|K|V
+projection, its keys and values written into the layer's cache) and `attention`. Rope tables are
+the model's parameters, passed in through the context.
 """
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ class NativeAttention(nn.Cell):
     def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
         super().__init__()
         self.block_size = block_size
-        self.rope_op, self.paged_op = k["rope"], k["paged_attention"]
+        self.rope_op, self.paged_op = k["rope_cache"], k["paged_attention"]
 
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
         return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
 
-    def rope_split(self, qkv: Tensor, c: tuple) -> tuple:
-        """q [n, H * hd], k/v [n, kv, hd]."""
-        return self.rope_op(qkv, c[3], c[4], c[0])
+    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """q [n, H * hd]; the keys and values go into the caches in the same op."""
+        return self.rope_op(qkv, c[3], c[4], c[0], slots, k_cache, v_cache)
 
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
         return self.paged_op(q, k_cache, v_cache, c[1], c[2], c[0])
@@ -76,14 +77,17 @@ class PlainAttention(nn.Cell):
         sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
         return cos, sin, token_slots, bias
 
-    def rope_split(self, qkv: Tensor, c: tuple) -> tuple:
-        """Rope on the query and key heads at once; q [n, H, hd], k/v [n, kv, hd]."""
+    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """Rope on the query and key heads at once; q [n, H, hd]. Keys and values are scattered into
+        the caches by slot: O(tokens), where every other write form copies the whole cache."""
         n, hd = qkv.shape[0], self.hd
         qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
         qk = qk.reshape(n, self.heads + self.kv, hd)
         qk = qk * c[0] + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * c[1]
         q, k = ops.split(qk, (self.heads, self.kv), 1)
-        return q, k, v.reshape(n, self.kv, hd)
+        ops.scatter_update(k_cache, slots, k)
+        ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd))
+        return q
 
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
         token_slots, bias = c[2], c[3]

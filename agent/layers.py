@@ -236,8 +236,7 @@ class Backend:
     def kernels(self, cfg: Any) -> dict[str, Any]:
         if self.lib is None:
             return {}
-        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads, cfg.head_dim,
-                          ms.pytype_to_dtype(KV_DTYPES[self.kv_dtype]))
+        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim)
 
     def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
         return NativeNorms(cfg.rms_eps, k) if self.lib else PlainNorms(cfg.rms_eps, cfg.intermediate_size)

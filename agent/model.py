@@ -3,8 +3,8 @@
 One forward serves any mix of prefill chunks and decodes as one flat list of tokens (the TND layout
 of MindSpore's Ascend paged-attention ops): row-independent ops run once over all tokens, and each
 token attends over its own sequence's paged context, read from a flat per-layer KV cache by block
-table. New K/V rows are written with ``ops.scatter_update`` by slot, which is
-O(tokens) — every other write form copies the whole cache each step.
+table. New K/V rows are written in place by slot (agent.attention), which is O(tokens): every
+other write form copies the whole cache each step.
 """
 from __future__ import annotations
 
@@ -125,10 +125,8 @@ class LlamaModel(nn.Cell):
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
-            q, k, v = self.attn.rope_split(qkv, c)
-            k_cache = ops.scatter_update(self.k_cache[i], slots, k)
-            v_cache = ops.scatter_update(self.v_cache[i], slots, v)
-            attn = self.attn.attention(q, k_cache, v_cache, c)
+            q = self.attn.rope_write(qkv, c, slots, self.k_cache[i], self.v_cache[i])
+            attn = self.attn.attention(q, self.k_cache[i], self.v_cache[i], c)
             x, gu = self.gate_up.add_norm_linear(x, self.o.linear(attn, i), i)
             delta = self.down.swiglu_linear(gu, i)
             if i + 1 < self.cfg.num_layers:

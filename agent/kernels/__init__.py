@@ -112,15 +112,21 @@ def kernel_paths(lib: str | None, dtype: str) -> str:
     return fn().decode()
 
 
-def custom_ops(lib: str, q_size: int, kv: int, hd: int, kv_dtype: Any) -> dict[str, Any]:
+def custom_ops(lib: str, q_size: int) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
     blocks; int8; alone or fused with the norm / SwiGLU feeding them), paged attention reading the cache
-    by slot, and RMSNorm / rope / SwiGLU each as one op instead of 4-5. `kv_dtype`: the MindSpore
-    dtype the KV cache is stored in (rope writes k and v in it)."""
+    by slot, rope writing the step's keys and values into the cache, and RMSNorm / SwiGLU each as one
+    op instead of 4-5."""
     from mindspore import ops
 
     def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
         return ops.Custom(f"{lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+
+    def writes_memory(op: Any) -> Any:
+        """An op that writes one of its inputs (a KV cache Parameter) in place: MindSpore then orders
+        that Parameter's later reads after it, as it does for its own ScatterUpdate."""
+        op.add_prim_attr("side_effect_mem", True)
+        return op
 
     same = lambda x, *_: x  # noqa: E731
     pair = lambda x, *_: (x, x)  # noqa: E731
@@ -135,6 +141,5 @@ def custom_ops(lib: str, q_size: int, kv: int, hd: int, kv_dtype: Any) -> dict[s
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
-        "rope": custom("Rope", lambda qkv, *_: ([qkv[0], q_size], [qkv[0], kv, hd], [qkv[0], kv, hd]),
-                       lambda qkv, *_: (qkv, kv_dtype, kv_dtype)),
+        "rope_cache": writes_memory(custom("RopeCache", lambda qkv, *_: [qkv[0], q_size], same)),
     }

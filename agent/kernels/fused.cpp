@@ -60,14 +60,15 @@ template <typename T>
 int rope(void **params, int64_t **shapes) {
   const float *qkv = static_cast<const float *>(params[0]);
   const float *cos = static_cast<const float *>(params[1]), *sin = static_cast<const float *>(params[2]);
-  const int32_t *pos = static_cast<const int32_t *>(params[3]);
-  float *q = static_cast<float *>(params[4]);
-  T *k = static_cast<T *>(params[5]), *v = static_cast<T *>(params[6]);
-  const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0];
+  const int32_t *pos = static_cast<const int32_t *>(params[3]), *slots = static_cast<const int32_t *>(params[4]);
+  T *kc = static_cast<T *>(params[5]), *vc = static_cast<T *>(params[6]);
+  float *q = static_cast<float *>(params[7]);
+  const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0], cache_slots = shapes[5][0];
   const int64_t kv = shapes[5][1], hd = shapes[5][2], half = hd / 2;
-  const int64_t qw = shapes[4][1], kw = kv * hd;
+  const int64_t qw = shapes[7][1], kw = kv * hd;
   if (qw + 2 * kw != width) return 1;
   for (int64_t r = 0; r < n; ++r) {
+    if (slots[r] < 0 || slots[r] >= cache_slots) return 1;
     const int64_t p = std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
     const float *c = cos + p * hd, *s = sin + p * hd, *src = qkv + r * width;
     for (int64_t h = 0; h < qw / hd; ++h, src += hd) {
@@ -77,14 +78,14 @@ int rope(void **params, int64_t **shapes) {
         o[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
       }
     }
+    T *k = kc + slots[r] * kw, *v = vc + slots[r] * kw;
     for (int64_t h = 0; h < kv; ++h, src += hd) {
-      T *o = k + r * kw + h * hd;
       for (int64_t i = 0; i < half; ++i) {
-        put(src[i] * c[i] - src[i + half] * s[i], o + i);
-        put(src[i + half] * c[i + half] + src[i] * s[i + half], o + i + half);
+        put(src[i] * c[i] - src[i + half] * s[i], k + h * hd + i);
+        put(src[i + half] * c[i + half] + src[i] * s[i + half], k + h * hd + i + half);
       }
     }
-    for (int64_t i = 0; i < kw; ++i) put(src[i], v + r * kw + i);
+    for (int64_t i = 0; i < kw; ++i) put(src[i], v + i);
   }
   return 0;
 }
@@ -92,12 +93,16 @@ int rope(void **params, int64_t **shapes) {
 }  // namespace
 
 // Rotary embedding (rotate-half layout) on the query and key heads of the fused Q|K|V projection,
-// split into q, k, v; k and v in the KV cache's dtype, ready for its scatter. Inputs: qkv
-// [n, (h + 2 kv) * hd], cos/sin tables [max_position, hd], positions [n] int32. Outputs: q
-// [n, h * hd] float32, k [n, kv, hd], v [n, kv, hd] (float32, uint16 bfloat16 bits or float16).
-extern "C" int Rope(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                    void *extra) {
-  if (nparam != 7 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32")) return 1;
+// and the step's new keys and values written straight into the KV cache at their slots: one op
+// instead of rope, split and two scatters (the op is marked as writing memory, so MindSpore orders
+// the cache's later reads after it). Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables
+// [max_position, hd], positions [n], slots [n] int32, k_cache/v_cache [S, kv, hd] (float32, uint16
+// bfloat16 bits or float16; written in place). Output: q [n, h * hd] float32.
+extern "C" int RopeCache(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  if (nparam != 8 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") ||
+      std::strcmp(dtypes[5], dtypes[6]))
+    return 1;
   if (f32(dtypes[5])) return rope<float>(params, shapes);
   if (!std::strcmp(dtypes[5], "uint16")) return rope<uint16_t>(params, shapes);
   if (!std::strcmp(dtypes[5], "float16")) return rope<_Float16>(params, shapes);
