@@ -42,9 +42,9 @@ class NativeAttention(nn.Cell):
                 sin_table: Tensor) -> tuple:
         return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
 
-    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """q [n, H * hd]; the keys and values go into the caches in the same op."""
-        return self.rope_op(qkv, c[3], c[4], c[0], slots, k_cache, v_cache)
+    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
+        """(q [n, H * hd], the caches): the keys and values go into the caches in the same op."""
+        return self.rope_op(qkv, c[3], c[4], c[0], slots, k_cache, v_cache), k_cache, v_cache
 
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
         return self.paged_op(q, k_cache, v_cache, c[1], c[2], c[0])
@@ -77,17 +77,18 @@ class PlainAttention(nn.Cell):
         sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
         return cos, sin, token_slots, bias
 
-    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """Rope on the query and key heads at once; q [n, H, hd]. Keys and values are scattered into
-        the caches by slot: O(tokens), where every other write form copies the whole cache."""
+    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
+        """Rope on the query and key heads at once: (q [n, H, hd], the updated caches). Keys and values
+        are scattered into the caches by slot: O(tokens), where every other write form copies the
+        whole cache; attention reads what the scatters return (read back from the Parameters, a
+        4096-context step held ~300 MiB more)."""
         n, hd = qkv.shape[0], self.hd
         qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
         qk = qk.reshape(n, self.heads + self.kv, hd)
         qk = qk * c[0] + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * c[1]
         q, k = ops.split(qk, (self.heads, self.kv), 1)
-        ops.scatter_update(k_cache, slots, k)
-        ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd))
-        return q
+        return (q, ops.scatter_update(k_cache, slots, k),
+                ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd)))
 
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
         token_slots, bias = c[2], c[3]
