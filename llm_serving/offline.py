@@ -19,7 +19,7 @@ from tqdm import tqdm
 from common.config import load_config
 from llm_serving.launch import stop_agents
 from llm_serving.serve import start_engine
-from server.engine import QueueFull
+from server.engine.engine import QueueFull
 from server.prompts import encode_prompt
 from server.request import Request, Sink
 from server.sampling_params import SamplingParams

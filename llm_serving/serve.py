@@ -16,7 +16,7 @@ from common.config import ConfigError, ServingConfig, load_config
 from common.memory import plan as memory_plan
 from common.model_files import model_identity, resolve_model
 from llm_serving.launch import AgentStartError, agent_env, positive, respawn_agent, start_agents, stop_agents
-from server.engine import Engine
+from server.engine.engine import Engine
 from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
 from shm.arena import ArenaSpec, clean_stale_segments
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn  # after the config is known to be valid
 
-    from server.api import build_app
-    from server.api_keys import parse_keys
-    from server.http_guard import guarded_protocol
+    from server.http.app import build_app
+    from server.http.api_keys import parse_keys
+    from server.http.guard import guarded_protocol
 
     try:
         http = bind_http(cfg)

@@ -25,7 +25,7 @@ class Delta:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     # eos (end of sequence) | stop (a client's stop string or id) | length | cancelled | error; each
-    # dialect names them its own way (server/routes_*.py)
+    # dialect names them its own way (server/http/{original,tgi,openai}.py)
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500  # of an error: 503 when no agent can serve it (nothing was wrong with the request)

@@ -48,7 +48,7 @@ def test_manifests_pass_the_kubernetes_schemas(layout):
 
 def _app_paths() -> set[str]:
     from common.config import ServingConfig
-    from server.api import build_app
+    from server.http.app import build_app
 
     return set(build_app(None, ServingConfig(), None).openapi()["paths"])  # the routes only: nothing runs
 

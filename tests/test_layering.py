@@ -1,5 +1,6 @@
-"""Layering: common <- shm <- {server, agent} <- llm_serving (entry points) <- tools. The server never
-loads mindspore or agent code, and only shm/ knows the arena's fields by name."""
+"""Layering: common <- shm <- {server <- server.engine <- server.http, agent} <- llm_serving (entry
+points) <- tools. The server never loads mindspore or agent code, and only shm/ knows the arena's
+fields by name."""
 from __future__ import annotations
 
 import ast
@@ -11,37 +12,63 @@ from pathlib import Path
 from shm.step import SECTIONS
 from tests.helpers import ROOT
 
-ALLOWED = {  # package -> the project packages it may import (at module level or inside functions)
+ALLOWED = {  # unit -> the project units it may import (at module level or inside functions)
     "common": set(),
     "shm": {"common"},
-    "server": {"common", "shm"},
+    "server": {"common", "shm"},  # the shared nouns at the top of server/: request, scheduler, ...
+    "server.engine": {"common", "shm", "server"},
+    "server.http": {"common", "shm", "server", "server.engine"},
     "agent": {"common", "shm"},
-    "llm_serving": {"common", "shm", "server", "agent"},
+    "llm_serving": {"common", "shm", "server", "server.engine", "server.http", "agent"},
 }
-PACKAGES = {"common", "shm", "server", "agent", "llm_serving", "tools", "tests"}
+UNITS = set(ALLOWED) | {"tools", "tests"}
+
+
+def _unit(module: str) -> str | None:
+    """The longest unit a dotted module name falls in (server.http.app -> server.http)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in UNITS:
+            return ".".join(parts[:n])
+    return None
 
 
 def _imports(path: Path) -> set[str]:
+    """Every module a file imports, dotted (`from server.http import app` names server.http.app)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
+            out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
+
+
+def _modules(pkg: str) -> list[tuple[str, Path]]:
+    """(dotted name, path) of every module under a package, subpackages included."""
+    return [(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"), p)
+            for p in sorted((ROOT / pkg).rglob("*.py"))]
 
 
 def test_no_import_climbs_a_layer():
     wrong = []
-    for pkg, allowed in ALLOWED.items():
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            bad = (_imports(path) & PACKAGES) - allowed - {pkg}
+    for unit, allowed in ALLOWED.items():
+        for name, path in _modules(unit.replace(".", "/")):
+            if _unit(name) != unit:  # a subpackage's own rule applies to it
+                continue
+            bad = {u for u in map(_unit, _imports(path)) if u is not None} - allowed - {unit}
             wrong += [f"{path.relative_to(ROOT)} imports {b}" for b in sorted(bad)]
     assert wrong == []
 
 
+def test_the_layer_rules_see_subpackages():
+    assert _unit("server.http.app") == "server.http" and _unit("server.scheduler") == "server"
+    assert "server.engine.engine" in {n for n, _ in _modules("server")}
+    assert _unit(next(iter(_imports(ROOT / "server/http/app.py") & {"server.engine.engine.Engine"}))) == "server.engine"
+
+
 def test_importing_every_server_module_loads_neither_mindspore_nor_agent():
-    modules = sorted(f"server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
+    modules = [name for name, _ in _modules("server")]
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mindspore', 'agent', 'llm_serving')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -56,7 +83,7 @@ def test_no_arena_field_is_named_by_a_string_outside_shm():
     hits = []
     for pkg in ("server", "agent", "llm_serving", "common", "tools"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            if pkg == "tools" and "shm" not in _imports(path):
+            if pkg == "tools" and "shm" not in {_unit(m) for m in _imports(path)}:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in names:

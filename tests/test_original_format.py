@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server import original_format as orig
+from server.http import original_format as orig
 
 A = orig.token_item(5, -0.5, False, "é")
 B = orig.token_item(2, -1.25, True, "")

@@ -275,7 +275,7 @@ def test_shipped_configs_need_no_warning():
 
 
 def test_retry_after_follows_the_queue_and_recent_throughput():
-    from server.engine import RETRY_AFTER_MAX_S, drain_eta_s
+    from server.engine.engine import RETRY_AFTER_MAX_S, drain_eta_s
 
     assert drain_eta_s(50, []) == 1  # nothing finished yet: unknown
     assert drain_eta_s(50, [0.0, 1.0, 2.0, 3.0, 4.0]) == 50  # one request a second

@@ -10,8 +10,8 @@ import time
 from typing import Any, Callable
 
 from common.config import ServingConfig
-from server.lane import AgentLane, LaneState
-from server.metrics import Metrics
+from server.engine.lane import AgentLane, LaneState
+from server.engine.metrics import Metrics
 from server.scheduler import Planned, Sequence
 from shm.endpoint import holder
 from shm.transport import AgentClient

@@ -8,7 +8,7 @@ import math
 import time
 from typing import TextIO
 
-from server.metrics import Metrics
+from server.engine.metrics import Metrics
 from server.request import Delta, Request, Sink
 from common.tokenizer import TextTokenizer
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.frontend import Frontend
+from server.http.frontend import Frontend
 
 
 def router(f: Frontend) -> APIRouter:

@@ -7,9 +7,9 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.frontend import Frontend, primed, sse
-from server.schemas import GenerateRequest, TokenizeRequest, as_dict
-from server.params import tgi_params, to_bool
+from server.http.frontend import Frontend, primed, sse
+from server.http.schemas import GenerateRequest, TokenizeRequest, as_dict
+from server.http.params import tgi_params, to_bool
 from server.sampling_params import InvalidRequest, SamplingParams
 
 

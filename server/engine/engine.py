@@ -17,17 +17,17 @@ from typing import Any
 
 from common.config import ServingConfig
 from server.detok import IncrementalDetokenizer
-from server.lane import AgentLane
-from server.metrics import Metrics
-from server.output import OutputProcessor
+from server.engine.lane import AgentLane
+from server.engine.metrics import Metrics
+from server.engine.output import OutputProcessor
 from server.request import Delta, Request, Sink, Status
 from server.scheduler import Sequence
-from server.stepper import Stepper
-from server.supervisor import Restart, Supervisor
+from server.engine.stepper import Stepper
+from server.engine.supervisor import Restart, Supervisor
 from common.tokenizer import TextTokenizer
 from shm.transport import AgentClient
 
-__all__ = ["Delta", "Engine", "QueueFull", "Request", "Sink"]
+__all__ = ["Engine", "QueueFull"]
 log = logging.getLogger("llm_serving.engine")
 IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this long per turn
 RETRY_AFTER_MAX_S = 600

@@ -8,12 +8,12 @@ import time
 from typing import Callable
 
 from common.config import ServingConfig
-from server.lane import AgentLane, InFlight, LaneState
-from server.metrics import Metrics
-from server.output import OutputProcessor
+from server.engine.lane import AgentLane, InFlight, LaneState
+from server.engine.metrics import Metrics
+from server.engine.output import OutputProcessor
 from server.request import Request, Status
-from server.supervisor import Supervisor
-from server.trace import StepRecord, StepTrace
+from server.engine.supervisor import Supervisor
+from server.engine.trace import StepRecord, StepTrace
 from shm import protocol as P
 from shm.step import read_row
 from shm.transport import AgentClient, AgentDead, AgentError

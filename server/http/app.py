@@ -11,12 +11,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
-from server import routes_openai, routes_ops, routes_original, routes_tgi
-from server.api_keys import ApiKeys
-from server.body_limit import BodyLimit
-from server.engine import Engine
-from server.frontend import ApiError, Frontend
-from server.http10 import Http10Buffering
+from server.http import openai, ops, original, tgi
+from server.http.api_keys import ApiKeys
+from server.http.body_limit import BodyLimit
+from server.engine.engine import Engine
+from server.http.frontend import ApiError, Frontend
+from server.http.http10 import Http10Buffering
 from server.sampling_params import InvalidRequest
 from common.tokenizer import TextTokenizer
 
@@ -54,6 +54,6 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
         return await _api_error(request, ApiError(400, f"invalid request: {why}"))
 
     front = Frontend(engine, cfg, tok)
-    for module in (routes_original, routes_tgi, routes_openai, routes_ops):
+    for module in (original, tgi, openai, ops):
         app.include_router(module.router(front))
     return app

@@ -7,11 +7,11 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
-from server import original_format as orig
-from server.engine import Delta
-from server.frontend import Frontend, primed
-from server.schemas import GenerateRequest, as_dict
-from server.params import ORIGINAL_MAX_NEW_TOKENS, original_params, to_bool
+from server.http import original_format as orig
+from server.request import Delta
+from server.http.frontend import Frontend, primed
+from server.http.schemas import GenerateRequest, as_dict
+from server.http.params import ORIGINAL_MAX_NEW_TOKENS, original_params, to_bool
 
 
 def router(f: Frontend) -> APIRouter:

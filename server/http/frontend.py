@@ -12,7 +12,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request as HttpRequest
 
 from common.config import ServingConfig
-from server.engine import Delta, Engine, QueueFull, Request, Sink
+from server.engine.engine import Engine, QueueFull
+from server.request import Delta, Request, Sink
 from server.prompts import encode_prompt
 from server.sampling_params import SamplingParams
 from common.tokenizer import TextTokenizer

@@ -9,10 +9,10 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine import Delta
-from server.frontend import Frontend, primed, sse
-from server.schemas import ChatRequest, CompletionRequest, as_dict
-from server.params import chat_messages, openai_params, to_bool
+from server.request import Delta
+from server.http.frontend import Frontend, primed, sse
+from server.http.schemas import ChatRequest, CompletionRequest, as_dict
+from server.http.params import chat_messages, openai_params, to_bool
 from server.sampling_params import InvalidRequest
 
 
