@@ -26,3 +26,24 @@ def pid_alive(pid: int) -> bool:
 def stopped(pid: int | None) -> bool:
     """Whether a process is stopped (SIGSTOP): alive, but it will never answer."""
     return pid is not None and _state(pid) in ("T", "t")
+
+
+class Backoff:
+    """The one restart policy for agents, the server's supervisor's and launch_agents': restart at
+    once, then after 1, 2, 4 ... s (at most 30), and give up after `limit` restarts in a row. What
+    ends a row is the caller's: a successful step (server), STABLE_S alive (launch_agents)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.count >= self.limit
+
+    def next_delay(self) -> float:
+        """Count one more restart and return how long to wait before it (check `exhausted` first)."""
+        self.count += 1
+        return 0.0 if self.count == 1 else min(30.0, 2.0 ** (self.count - 2))
+
+    def reset(self) -> None:
+        self.count = 0

@@ -24,7 +24,7 @@ from common.config import ConfigError, ServingConfig, load_config
 from common.memory import MemoryPlan, gib
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
-from common.procs import stopped
+from common.procs import Backoff, stopped
 from shm import protocol as P
 from shm.arena import clean_stale_segments
 from shm.curve import INSECURE_ENV, CurveKeyError, KeyFolder, exposure
@@ -32,8 +32,7 @@ from shm.endpoint import PortInUse, agent_address, clean_stale_endpoints, dial_h
 
 log = logging.getLogger("llm_serving.launch")
 READY_TIMEOUT_S = 900.0  # model load + graph warm-up of one agent
-MAX_RESTARTS = 5  # launch_agents: restarts of one agent in a row (each within STABLE_S of the last)
-STABLE_S = 60.0
+STABLE_S = 60.0  # an agent alive this long after a restart ends its row of restarts
 STOPPED_GRACE_S = 5.0  # a starting agent stopped (SIGSTOP) this long is given up on and killed
 
 
@@ -224,22 +223,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def supervise(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
               procs: list[mp.process.BaseProcess]) -> int:
-    """Restart agents that exit (a crash, or a runtime failure), with backoff; give up on an agent
-    that dies MAX_RESTARTS times in a row, each within STABLE_S of its restart."""
-    restarts = [0] * len(procs)
+    """Restart agents that exit (a crash, or a runtime failure) with the server's backoff; give up on
+    an agent that dies `max_agent_restarts` times in a row, each within STABLE_S of its restart."""
+    backoff = [Backoff(cfg.max_agent_restarts) for _ in procs]
     started = [time.monotonic()] * len(procs)
     while True:
         time.sleep(0.5)
         for i, proc in enumerate(procs):
             if proc.is_alive():
                 continue
-            restarts[i] = restarts[i] + 1 if time.monotonic() - started[i] < STABLE_S else 1
-            if restarts[i] > MAX_RESTARTS:
-                log.error("agent %d died %d times in a row (exit code %s); stopping", i, MAX_RESTARTS, proc.exitcode)
+            if time.monotonic() - started[i] >= STABLE_S:
+                backoff[i].reset()
+            if backoff[i].exhausted:
+                log.error("agent %d died %d times in a row (exit code %s); stopping", i, backoff[i].limit + 1,
+                          proc.exitcode)
                 stop_agents(procs)
                 return 1
-            log.warning("agent %d exited with code %s; restart %d/%d", i, proc.exitcode, restarts[i], MAX_RESTARTS)
-            time.sleep(0.0 if restarts[i] == 1 else min(30.0, 2.0 ** (restarts[i] - 2)))
+            delay = backoff[i].next_delay()
+            log.warning("agent %d exited with code %s; restart %d/%d", i, proc.exitcode, backoff[i].count,
+                        backoff[i].limit)
+            time.sleep(delay)
             try:
                 respawn_agent(cfg, config_path, overrides, procs, i)
             except AgentStartError as exc:

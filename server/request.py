@@ -49,6 +49,7 @@ class Request:
     seq: Sequence | None = None
     detok: IncrementalDetokenizer | None = None
     lane: int = -1  # index of the agent lane that holds its sequence
+    cancelled: bool = False  # the client went away while a step computed it: ends when that step returns
     # Life cycle (time.monotonic; None until reached): first in a planned step, that step sent to an
     # agent, first token, the reply to its last step, its end.
     first_scheduled_at: float | None = None

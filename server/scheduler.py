@@ -10,6 +10,9 @@ everything left waits on a step in flight).
 Overlap: a plan advances `computed` when it is made, not when its reply comes, and counts each
 sampled row as a `pending` token until its reply; so step N+1 can be planned while step N runs.
 A decode whose input is such a pending token is a *fed* row: the agent takes its own last sample.
+
+The scheduler alone mutates a Sequence: `schedule()` plans (`StepPlan`), `update(plan, sampled)`
+takes a step's reply and appends its tokens, `remove` ends one.
 """
 from __future__ import annotations
 
@@ -36,7 +39,6 @@ class Sequence:
     table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks, grown as computed
     preemptions: int = 0
-    aborted: bool = False
     pending: int = 0  # sampled in steps in flight, not yet back
     agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
 
@@ -66,6 +68,27 @@ class Planned:
     epoch: int = 0  # the sequence's preemptions when planned: its blocks are still the same while equal
 
 
+@dataclass
+class StepPlan:
+    """One step: its rows, the sequences ended since the last step (the agent drops their state),
+    and how many sequences planning it preempted."""
+    rows: list[Planned]
+    freed: list[int] = field(default_factory=list)
+    preempted: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    @property
+    def has_prefill(self) -> bool:
+        """Some row carries tokens (`*`); else every row is fed by the agent's last sample (`a`)."""
+        return not all(p.feed for p in self.rows)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(p.n_tokens for p in self.rows if p.start < len(p.seq.prompt))
+
+
 class Scheduler:
     def __init__(self, cfg: ServingConfig):
         self.cfg = cfg
@@ -74,6 +97,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.max_running = cfg.max_running
         self.preempted = 0  # total preemptions, for metrics
+        self.freed: list[int] = []  # ended since the last plan that was sent
 
     def _order_key(self, seq: Sequence) -> tuple:
         if self.cfg.schedule_policy == "sjf":  # shortest max_new_tokens first (contest write-ups)
@@ -90,12 +114,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+        """Drop a finished or cancelled sequence, free its blocks and tell the agent with the next step."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq.table)
+        self.freed.append(seq.seq_id)
 
     def drain(self) -> list[Sequence]:
         """Take every sequence out (their agent died); their KV state is lost."""
@@ -140,7 +165,8 @@ class Scheduler:
             return 0.0
         return max(0.0, min(s.arrival for s in self.waiting) + window - now)
 
-    def schedule(self) -> list[Planned]:
+    def schedule(self) -> StepPlan:
+        preempted = self.preempted
         plan: list[Planned] = []
         # Prefill runs ~30% faster per token in 512- than in 256-token steps (SmolLM2, 2 cores), but a
         # larger step delays every decode riding in it: the larger budget only while nothing decodes.
@@ -188,12 +214,17 @@ class Scheduler:
             seq.computed += p.n_tokens
             seq.pending += p.sample
             seq.agent_has_next = p.sample
-        return plan
+        step = StepPlan(plan, self.freed if plan else [], self.preempted - preempted)
+        if plan:
+            self.freed = []
+        return step
 
-    def step_done(self, plan: list[Planned]) -> None:
-        """A step's reply is in (before its tokens are appended): its samples are no longer pending,
-        and the full blocks it computed are published for prefix reuse."""
-        for p in plan:
+    def update(self, plan: StepPlan, sampled: list[int | None]) -> None:
+        """A step's reply: its samples are no longer pending, the full blocks it computed are
+        published for prefix reuse, and each row's token (None: none to keep) is appended."""
+        for p, token in zip(plan.rows, sampled, strict=True):
             p.seq.pending -= p.sample
             if p.epoch == p.seq.preemptions and p.seq.table:
                 self.blocks.register_full(p.seq.table, p.seq.tokens, p.start + p.n_tokens, p.seq.block_hashes)
+            if token is not None:
+                p.seq.output.append(token)

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -41,6 +42,15 @@ class AgentDead(RuntimeError):
     """The agent process is gone or its connection dropped."""
 
 
+@dataclass
+class Pending:
+    """A command sent and awaiting its reply."""
+    msg_id: int
+    dims: StepDims  # a step's (zero for other commands)
+    slot: int  # a step's arena slot
+    tag: Any = None  # what the caller sent a step with (the engine's plan): the one record of steps in flight
+
+
 class AgentClient:
     """Server-side handle of one agent. Not thread-safe: one engine thread owns it."""
 
@@ -66,9 +76,9 @@ class AgentClient:
         self.pid = pid
         self.info: dict[str, Any] = {}
         self._msg_id = 0
-        # Commands awaiting their replies, oldest first: (id, step dims, slot). Steps may be
-        # pipelined up to one per arena slot (the agent runs them in order); others go alone.
-        self._pending: deque[tuple[int, StepDims, int]] = deque()
+        # Commands awaiting their replies, oldest first. Steps may be pipelined up to one per arena
+        # slot (the agent runs them in order); others go alone.
+        self._pending: deque[Pending] = deque()
         self._connected = False
         self.dead = False
         self.closed = False
@@ -97,15 +107,23 @@ class AgentClient:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    def steps(self) -> list[Any]:
+        """The tags of the steps in flight, oldest first."""
+        return [p.tag for p in self._pending if p.tag is not None]
+
+    def next_slot(self) -> int:
+        """The arena slot the next pipelined step goes to."""
+        return (self._pending[-1].slot + 1) % len(self.arenas) if self._pending else 0
+
     def send(self, cmd: bytes, header: dict[str, Any] | None = None, frames: list[bytes] | None = None,
-             dims: StepDims = StepDims(0, 0, 0), slot: int = 0) -> None:
+             dims: StepDims = StepDims(0, 0, 0), slot: int = 0, tag: Any = None) -> None:
         step = cmd in P.STEP_COMMANDS
         if self._pending and (not step or len(self._pending) >= len(self.arenas)
-                              or any(s == slot for _, _, s in self._pending)):
+                              or any(p.slot == slot for p in self._pending)):
             raise RuntimeError("the command cannot be pipelined behind the ones in flight")
         self.check_alive()
         self._msg_id += 1
-        self._pending.append((self._msg_id, dims, slot))
+        self._pending.append(Pending(self._msg_id, dims, slot, tag))
         self.sock.send_multipart(P.encode(cmd, {**(header or {}), "id": self._msg_id}, frames))
 
     def poll(self, timeout_s: float) -> tuple[dict[str, Any], list[bytes]] | None:
@@ -116,7 +134,7 @@ class AgentClient:
             wait = max(0.0, min(POLL_MS / 1000, deadline - time.monotonic()))
             if self.sock.poll(int(wait * 1000)):
                 ok, body, frames = P.decode_reply(self.sock.recv_multipart(copy=True))
-                if not self._pending or body.get("id") != self._pending[0][0]:
+                if not self._pending or body.get("id") != self._pending[0].msg_id:
                     continue  # a late reply to a command we gave up on
                 self._pending.popleft()
                 if not ok:
@@ -143,24 +161,25 @@ class AgentClient:
         self.pid, self.info = int(body["pid"]), body
         return body
 
-    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0) -> None:
+    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None) -> None:
         """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step`
         returns this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is
-        fed by the agent's own last sample (`a`). Up to one step per slot may be in flight."""
+        fed by the agent's own last sample (`a`). Up to one step per slot may be in flight; `tag`
+        (not None) is kept with it until its reply (`steps()`)."""
         frames = None if self.local else self.arenas[slot].input_frames(dims)
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP,
                   {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot,
-                   "free": free}, frames, dims, slot)
+                   "free": free}, frames, dims, slot, tag)
 
     def poll_step(self, timeout_s: float) -> dict[str, Any] | None:
         """The reply to the oldest step in flight (its outputs are then in its slot), or None."""
-        _, dims, slot = self._pending[0]
+        head = self._pending[0]
         reply = self.poll(timeout_s)
         if reply is None:
             return None
         body, frames = reply
         if not self.local:
-            self.arenas[slot].load_outputs(dims.n_rows, frames)
+            self.arenas[head.slot].load_outputs(head.dims.n_rows, frames)
         return body
 
     def send_heartbeat(self) -> None:
@@ -180,8 +199,8 @@ class AgentClient:
         if self.closed:
             return
         self.closed = True
+        self._pending.clear()  # nothing of a closed client is in flight
         if detach and not self.dead:
-            self._pending.clear()
             try:
                 self.call(P.DETACH, timeout_s=timeout_s)
             except (AgentDead, AgentError, TimeoutError, zmq.ZMQError):

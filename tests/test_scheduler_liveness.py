@@ -30,11 +30,10 @@ def drive(s: Scheduler, requests: list[tuple[int, Sequence, int | None]], max_st
         plan = s.schedule()
         if live:
             assert plan, f"step {step}: empty plan with {len(s.running)} running, {len(s.waiting)} waiting"
-        s.step_done(plan)
-        for p in plan:
+        s.update(plan, [len(p.seq.output) % 3 if p.sample else None for p in plan.rows])
+        for p in plan.rows:
             if p.sample:
                 seq = p.seq
-                seq.output.append(len(seq.output) % 3)
                 if len(seq.output) >= seq.params.max_new_tokens or len(seq.tokens) >= s.cfg.max_model_len:
                     s.remove(seq)
                     del live[seq.seq_id]
@@ -138,7 +137,8 @@ def drive_pipelined(s: Scheduler, requests: list[tuple[int, Sequence, int | None
     waiting = sorted(requests, key=lambda r: r[0])
     live: dict[int, tuple[Sequence, int | None]] = {}
     done: dict[int, list[int]] = {}
-    inflight: deque = deque()
+    inflight: deque = deque()  # (plan, what the agent got of each row)
+    cancelled: set[int] = set()
     for step in range(max_steps):
         while waiting and waiting[0][0] <= step:
             _, seq, cancel = waiting.pop(0)
@@ -146,33 +146,35 @@ def drive_pipelined(s: Scheduler, requests: list[tuple[int, Sequence, int | None
             live[seq.seq_id] = (seq, cancel)
         for seq, cancel in list(live.values()):
             if cancel is not None and cancel <= step:
-                if any(p.seq is seq for sent in inflight for p, _, _ in sent):
-                    seq.aborted = True
+                if any(p.seq is seq for _, sent in inflight for p, _, _ in sent):
+                    cancelled.add(seq.seq_id)
                 else:
                     s.remove(seq)
                     done[seq.seq_id] = list(seq.output)
                     del live[seq.seq_id]
         while len(inflight) < depth and (plan := s.schedule()):
-            sent = [(p, None if p.feed else p.seq.tokens[p.start:p.start + p.n_tokens], list(p.seq.table)) for p in plan]
+            sent = [(p, None if p.feed else p.seq.tokens[p.start:p.start + p.n_tokens], list(p.seq.table))
+                    for p in plan.rows]
             assert all(t is None or len(t) == p.n_tokens for p, t, _ in sent), "a row needs a token not back yet"
-            inflight.append(sent)
+            inflight.append((plan, sent))
         if not inflight:
             assert not live, f"step {step}: nothing planned with {len(live)} live"
             if not waiting:
                 return done
             continue
-        sent = inflight.popleft()
-        s.step_done([p for p, _, _ in sent])
-        for (p, _, _), token in zip(sent, run(sent)):
+        plan, sent = inflight.popleft()
+        tokens = run(sent)
+        s.update(plan, [t if p.seq.seq_id in live and p.seq.seq_id not in cancelled else None
+                        for p, t in zip(plan.rows, tokens)])
+        for p, token in zip(plan.rows, tokens):
             seq = p.seq
             if seq.seq_id not in live:
                 continue  # ended while this step ran
-            if seq.aborted:
+            if seq.seq_id in cancelled:
                 end = True
             elif token is None:
                 continue
             else:
-                seq.output.append(token)
                 end = token == 4 or len(seq.output) >= seq.params.max_new_tokens or len(seq.tokens) >= s.cfg.max_model_len
             if end:
                 s.remove(seq)

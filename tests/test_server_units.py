@@ -110,19 +110,18 @@ def test_scheduler_chunks_long_prompts_and_puts_decodes_first():
     a = Sequence(list(range(16)), SamplingParams(), 0.0)
     s.add(a)
     plan = s.schedule()
-    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 10, False)]  # chunk = the budget
-    s.step_done(plan)
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 10, False)]  # chunk = the budget
+    s.update(plan, [None])
     b = Sequence([1, 2, 3], SamplingParams(), 1.0)
     s.add(b)
     plan = s.schedule()
-    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 6, True), (b, 3, True)]  # packed together
-    s.step_done(plan)
-    a.output.append(7)
-    b.output.append(9)
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 6, True), (b, 3, True)]  # packed together
+    s.update(plan, [7, 9])
+    assert a.output == [7] and b.output == [9] and a.pending == b.pending == 0
     c = Sequence(list(range(100, 120)), SamplingParams(), 2.0)
     s.add(c)
     plan = s.schedule()
-    assert [(p.seq, p.n_tokens, p.sample) for p in plan] == [(a, 1, True), (b, 1, True), (c, 8, False)]
+    assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 1, True), (b, 1, True), (c, 8, False)]
 
 
 def test_scheduler_uses_the_prefill_only_budget_while_nothing_decodes():
@@ -131,16 +130,15 @@ def test_scheduler_uses_the_prefill_only_budget_while_nothing_decodes():
     a = Sequence(list(range(30)), SamplingParams(), 0.0)
     s.add(a)
     plan = s.schedule()
-    assert [(p.n_tokens, p.sample) for p in plan] == [(20, False)]
-    s.step_done(plan)
+    assert [(p.n_tokens, p.sample) for p in plan.rows] == [(20, False)]
+    s.update(plan, [None])
     plan = s.schedule()
-    assert [(p.n_tokens, p.sample) for p in plan] == [(10, True)]
-    s.step_done(plan)
-    a.output.append(5)
+    assert [(p.n_tokens, p.sample) for p in plan.rows] == [(10, True)]
+    s.update(plan, [5])
     b = Sequence(list(range(100, 130)), SamplingParams(), 1.0)
     s.add(b)
     plan = s.schedule()  # a decodes now: the mixed budget
-    assert [(p.seq, p.n_tokens) for p in plan] == [(a, 1), (b, 9)]
+    assert [(p.seq, p.n_tokens) for p in plan.rows] == [(a, 1), (b, 9)]
 
 
 def test_scheduler_preempts_newest_when_blocks_run_out():
@@ -149,14 +147,13 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
     for q in seqs:
         s.add(q)
     for _ in range(3):  # the 8-token budget admits one prompt per step
-        plan = s.schedule()
-        s.step_done(plan)
+        s.update(s.schedule(), [None])
     assert len(s.running) == 3 and s.blocks.num_free == 2
     for q in seqs:
         q.output.append(1)  # each now needs a third block for its next token
     plan = s.schedule()
-    assert s.preempted == 1 and seqs[2] in s.waiting and seqs[2].computed == 0
-    assert [p.seq for p in plan] == seqs[:2]
+    assert s.preempted == 1 and plan.preempted == 1 and seqs[2] in s.waiting and seqs[2].computed == 0
+    assert [p.seq for p in plan.rows] == seqs[:2]
 
 
 def test_sjf_policy_orders_by_max_new_tokens():
@@ -164,7 +161,7 @@ def test_sjf_policy_orders_by_max_new_tokens():
     long_, short = (Sequence([1, 2], SamplingParams(max_new_tokens=n), float(i)) for i, n in enumerate((50, 5)))
     s.add(long_)
     s.add(short)
-    assert s.schedule()[0].seq is short
+    assert s.schedule().rows[0].seq is short
 
 
 def test_write_step_lays_out_rows_and_slots():
@@ -275,7 +272,7 @@ def test_shipped_configs_need_no_warning():
 
 
 def test_retry_after_follows_the_queue_and_recent_throughput():
-    from server.engine.engine import RETRY_AFTER_MAX_S, drain_eta_s
+    from server.engine.requests import RETRY_AFTER_MAX_S, drain_eta_s
 
     assert drain_eta_s(50, []) == 1  # nothing finished yet: unknown
     assert drain_eta_s(50, [0.0, 1.0, 2.0, 3.0, 4.0]) == 50  # one request a second

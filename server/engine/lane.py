@@ -9,14 +9,13 @@ from __future__ import annotations
 import enum
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from common.config import ServingConfig
-from common.procs import pid_alive
-from server.scheduler import Planned, Scheduler, Sequence
+from common.procs import Backoff, pid_alive
+from server.scheduler import Scheduler, Sequence, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
 from shm.transport import AgentClient, AgentDead, AgentError
@@ -31,8 +30,8 @@ class LaneState(enum.Enum):
 
 @dataclass
 class InFlight:
-    """A step sent and awaiting its reply."""
-    plan: list[Planned]
+    """A step sent and awaiting its reply: the tag its agent client keeps with it."""
+    plan: StepPlan
     slot: int  # its arena slot
     sent_at: float
     prepare_s: float  # server time to plan, encode and send it
@@ -43,19 +42,26 @@ class AgentLane:
         self.index, self.client, self.cfg = index, client, cfg
         self.sched = Scheduler(cfg)
         self.state = LaneState.LIVE
-        # Steps awaiting their replies, oldest first: two with overlap (the agent queues the
-        # second and starts it the moment it replies to the first), else one.
-        self.inflight: deque[InFlight] = deque()
+        # Steps in flight: two with overlap (the agent queues the second and starts it the moment
+        # it replies to the first), else one.
         self.depth = 2 if cfg.overlap_steps else 1
         self.sent_at = time.monotonic()  # when the command in flight (or the last one) was sent
         self.replied_at = self.sent_at  # when the last step's reply came: the agent's next step starts then
-        self.ping_pending = False
-        self.pending_free: list[int] = []  # finished sequence ids, told to the agent with the next step
-        self.restarts = 0  # restarts in a row, reset by a successful step
+        self.backoff = Backoff(cfg.max_agent_restarts)  # restarts in a row, reset by a successful step
         self.graph_compiles = 0  # graphs this lane's agent process has built, as it last said
         self.down_since = 0.0
         self.why = ""
         self.reattach = False  # down because another client took the agent (`r`): attach again, never restart
+
+    @property
+    def inflight(self) -> list[InFlight]:
+        """Steps awaiting their replies, oldest first (its client's record)."""
+        return self.client.steps()
+
+    @property
+    def ping_pending(self) -> bool:
+        """A heartbeat awaits its reply (it never shares the wire with a step)."""
+        return self.client.in_flight > 0 and not self.client.steps()
 
     @property
     def live(self) -> bool:
@@ -70,23 +76,21 @@ class AgentLane:
         return self.live and not self.ping_pending and len(self.inflight) < self.depth
 
     def in_flight(self, seq: Sequence) -> bool:
-        return any(p.seq is seq for step in self.inflight for p in step.plan)
+        return any(p.seq is seq for step in self.inflight for p in step.plan.rows)
 
-    def send_plan(self, plan: list[Planned], planned_at: float) -> None:
+    def send_plan(self, plan: StepPlan, planned_at: float) -> None:
         """Write the step into a free arena slot and send it (raises AgentDead). Fed rows carry a
         placeholder token: the agent takes its own last sample (their real token may not be back yet)."""
         rows = [RowInput(p.seq.seq_id, np.zeros(1, np.int32) if p.feed else
                          np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
                          p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed)
-                for p in plan]
-        slot = (self.inflight[-1].slot + 1) % self.depth if self.inflight else 0
-        # Before sending: a dead agent's step is recomputed elsewhere.
-        self.inflight.append(InFlight(plan, slot, 0.0, 0.0))
+                for p in plan.rows]
+        slot = self.client.next_slot()
         dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)
-        self.client.send_step(dims, free=self.pending_free, has_prefill=not all(p.feed for p in plan), slot=slot)
-        self.pending_free = []
-        self.sent_at = self.inflight[-1].sent_at = time.monotonic()
-        self.inflight[-1].prepare_s = self.sent_at - planned_at
+        step = InFlight(plan, slot, 0.0, 0.0)
+        self.client.send_step(dims, free=plan.freed, has_prefill=plan.has_prefill, slot=slot, tag=step)
+        self.sent_at = step.sent_at = time.monotonic()
+        step.prepare_s = self.sent_at - planned_at
 
     def ping_if_due(self, now: float) -> None:
         """Idle heartbeat: keeps remote agents attached and finds a dead or stopped one while idle.
@@ -97,19 +101,14 @@ class AgentLane:
             raise AgentDead("its launcher is gone")
         if now - self.sent_at >= self.cfg.heartbeat_s:
             self.client.send_heartbeat()
-            self.ping_pending, self.sent_at = True, now
+            self.sent_at = now
 
     def poll(self, timeout_s: float) -> dict | None:
         """The reply to the oldest step in flight, or None (none yet, or a heartbeat's). Raises
         AgentDead/AgentError."""
         if self.ping_pending:
-            try:
-                reply = self.client.poll(timeout_s)
-            except AgentError:
-                self.ping_pending = False
-                raise
+            reply = self.client.poll(timeout_s)
             if reply is not None:
-                self.ping_pending = False
                 if reply[0].get("server_pid") != os.getpid():  # `r` from another server took the agent
                     raise AgentError("the agent no longer serves this server (reset by another)", E_NOT_ATTACHED)
             return None
@@ -128,19 +127,17 @@ class AgentLane:
             return int(launcher)
         return None
 
-    def go_down(self, why: str, now: float, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
+    def go_down(self, why: str, now: float, kill: bool = True) -> list[Sequence]:
         """The agent is gone or stuck (`kill`: kill what is left of it), or serves another server
-        now; start an empty KV pool. Returns the rows of the steps in flight and every sequence the
-        lane held (to recompute)."""
-        plan = [p for step in self.inflight for p in step.plan]
-        self.inflight, self.ping_pending, self.pending_free = deque(), False, []
+        now; start an empty KV pool. Returns every sequence the lane held (to recompute), those of
+        its steps in flight included."""
         seqs = self.sched.drain()
         self.sched = Scheduler(self.cfg)
         if kill:
             self.client.kill()
         self.client.close(detach=False)
         self.state, self.down_since, self.why = LaneState.RECOVERING, now, why
-        return plan, seqs
+        return seqs
 
     def attach(self, client: AgentClient) -> None:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()

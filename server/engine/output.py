@@ -1,5 +1,6 @@
-"""Output processing: sampled tokens -> text, stop/length checks, the end of a request, metrics and
-the fan-out to the HTTP event loops (one thread-safe wake-up per loop per engine turn, not per token)."""
+"""Output processing: sampled tokens -> text and stop/length checks, a request's end metrics and log
+line, and the fan-out to the HTTP event loops (one thread-safe wake-up per loop per engine turn, not
+per token). `Requests.end` decides the end; this only renders it."""
 from __future__ import annotations
 
 import asyncio
@@ -51,10 +52,11 @@ class OutputProcessor:
         self.request_log = request_log  # JSON lines, one per ended request (serving_config.request_log)
         self._outbox: list[tuple[Sink, Delta]] = []
 
-    def token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]], now: float) -> str | None:
-        """Append one sampled token and emit its text; returns the finish reason if it ends the request."""
+    def token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]],
+              now: float) -> tuple[Delta, str | None]:
+        """A sampled token (already appended to its sequence) as an event with its text, and the
+        finish reason if it ends the request."""
         seq, p = req.seq, req.params
-        seq.output.append(token)
         self.metrics.generation_tokens.inc()
         if req.first_token_at is None:
             req.first_token_at = now
@@ -70,10 +72,10 @@ class OutputProcessor:
             reason = "length"
         if reason:
             text += req.detok.finish()
-        self.emit(req, Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top], finish_reason=reason))
-        return reason
+        return Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top]), reason
 
-    def finish(self, req: Request, reason: str, error: str | None, status: int = 500) -> None:
+    def record_end(self, req: Request, reason: str) -> None:
+        """Metrics and the request-log line of a request that ends now."""
         now = req.finished_at = time.monotonic()
         m = self.metrics
         m.finished.labels(reason).inc()
@@ -89,10 +91,6 @@ class OutputProcessor:
                     m.inference_time.observe(req.inference_end_at - req.inference_begin_at)
         if self.request_log is not None:
             self.request_log.write(request_record(req, reason, n_out))
-        last = self._outbox[-1] if self._outbox else None
-        if last and last[0] is req.sink and last[1].token_id is not None and last[1].finish_reason == reason:
-            return  # its last token carried the end (TGI and OpenAI streams end on that token, not an empty event)
-        self.emit(req, Delta(None, "", finish_reason=reason, error=error, status=status))
 
     def emit(self, req: Request, delta: Delta) -> None:
         self._outbox.append((req.sink, delta))

@@ -1,18 +1,26 @@
-"""Agent life cycles: a lane whose agent died or got stuck is restarted from a background thread
-(backoff 0, 1, 2, 4... s; at most `max_agent_restarts` in a row without a successful step), and the
-engine thread learns each outcome through its inbox. The engine re-homes the requests."""
+"""Routing and agent failures, in one place: which lanes take requests, where a request goes, and
+what happens when an agent dies, gets stuck, is taken over or comes back.
+
+A lane whose agent died or got stuck is restarted from a background thread (`Backoff`: at once, then
+1, 2, 4 ... s; at most `max_agent_restarts` in a row without a successful step); the engine thread
+learns each outcome through its inbox (`AgentBack`). The lane's sequences are recomputed from their
+tokens so far: on a live lane, else on the restarted agent; one that waits past
+`recovery_deadline_s` fails, as does every one when no agent is left.
+"""
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from common.config import ServingConfig
 from server.engine.lane import AgentLane, LaneState
+from server.engine.messages import AgentBack, Message
 from server.engine.metrics import Metrics
-from server.scheduler import Planned, Sequence
+from server.engine.requests import Requests
+from server.request import Request, Status
 from shm.endpoint import holder
 from shm.transport import AgentClient
 
@@ -25,88 +33,81 @@ Restart = Callable[[int, bool], AgentClient]
 
 
 class Supervisor:
-    def __init__(self, cfg: ServingConfig, lanes: list[AgentLane], restart: Restart | None,
-                 inbox: queue.Queue[tuple[str, Any]], stop: threading.Event, metrics: Metrics):
-        self.cfg, self.lanes, self.restart = cfg, lanes, restart
+    def __init__(self, cfg: ServingConfig, lanes: list[AgentLane], requests: Requests, restart: Restart | None,
+                 inbox: queue.Queue[Message], stop: threading.Event, metrics: Metrics):
+        self.cfg, self.lanes, self.requests, self.restart = cfg, lanes, requests, restart
         self.inbox, self.stop, self.metrics = inbox, stop, metrics
 
-    def down(self, lane: AgentLane, why: str, kill: bool = True) -> tuple[list[Planned], list[Sequence]]:
-        """Take a lane down (restarting it if allowed); returns its step in flight and its sequences."""
+    # ------------------------------------------------------------ routing
+    def open_lanes(self) -> list[AgentLane]:
+        """Lanes that take requests: live ones, else those whose agent is coming back."""
+        live = [lane for lane in self.lanes if lane.live]
+        return live or [lane for lane in self.lanes if lane.state is LaneState.RECOVERING]
+
+    def assign(self, req: Request, lanes: list[AgentLane]) -> None:
+        target = min(lanes, key=lambda lane: lane.sched.load)
+        req.lane = target.index
+        target.sched.add(req.seq)
+
+    # ------------------------------------------------------------ failures (engine thread)
+    def lane_down(self, lane: AgentLane, why: str, kill: bool = True) -> None:
+        """Take a lane down (restarting it if allowed) and re-home its requests."""
         log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
-        plan, seqs = lane.go_down(why, time.monotonic(), kill)
+        seqs = lane.go_down(why, time.monotonic(), kill)
         lane.reattach = not kill
-        if launcher is not None and self.restart is not None:  # launch_agents is gone: no agent will come back until it is started again
+        if launcher is not None and self.restart is not None:  # launch_agents is gone: nothing comes back until it is started again
             lane.state = LaneState.ORPHANED
             lane.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
             log.error("agent %d: %s", lane.index, lane.why)
             self._await_launcher(lane)
-        elif self.restart is not None and lane.restarts < self.cfg.max_agent_restarts:
-            self._start(lane)
+        elif self.restart is not None and not lane.backoff.exhausted:
+            self._restart(lane)
         else:
             lane.state = LaneState.FAILED
-        return plan, seqs
-
-    def _await_launcher(self, lane: AgentLane) -> None:
-        """Re-attach an orphaned lane once a new agent holds its port (launch_agents started again)."""
-        port, old = self.cfg.agent_ports[lane.index], lane.client.pid
-
-        def work() -> None:
-            while holder(port) in (None, old):  # the orphan itself may hold the port a moment longer
-                if self.stop.wait(LAUNCHER_POLL_S):
-                    return
-            self._attach_again(lane.index)
-
-        threading.Thread(target=work, name=f"await-launcher{lane.index}", daemon=True).start()
-
-    def _start(self, lane: AgentLane) -> None:
-        delay = 0.0 if lane.restarts == 0 else min(30.0, 2.0 ** (lane.restarts - 1))
-        lane.restarts += 1
-        log.warning("agent %d: restart %d/%d in %.0fs", lane.index, lane.restarts, self.cfg.max_agent_restarts, delay)
-
-        def work() -> None:
-            if not self.stop.wait(delay):
-                self._attach_again(lane.index)
-
-        threading.Thread(target=work, name=f"restart-agent{lane.index}", daemon=True).start()
-
-    def _attach_again(self, index: int) -> None:
-        """In a helper thread: restart (or wait for) agent `index` and tell the engine thread."""
-        try:
-            client, error = self.restart(index, self.lanes[index].reattach), None
-        except Exception as exc:  # reported to the engine thread, which retries or gives up
-            client, error = None, f"{type(exc).__name__}: {exc}"
-        self.inbox.put(("agent_back", (index, client, error)))
-
-    def back(self, index: int, client: AgentClient | None, error: str | None) -> list[Sequence]:
-        """A restart's outcome; returns the sequences left without an agent when the lane gives up."""
-        lane = self.lanes[index]
-        if client is not None:
-            if self.stop.is_set():
-                client.close(detach=True)
+        open_lanes = self.open_lanes()
+        for seq in seqs:  # recompute from prompt + tokens so far: elsewhere, or here once the agent is back
+            req = seq.request
+            if req.status is Status.DONE:
+                continue
+            if req.cancelled:
+                self.requests.end(req, "cancelled")
+            elif open_lanes:
+                self.assign(req, open_lanes)
             else:
-                log.warning("agent %d is back after %.1fs", index, time.monotonic() - lane.down_since)
-                self.metrics.agent_restarts.inc()
-                lane.attach(client)
-                self.metrics.graph_compiles.inc(lane.new_compiles(client.info))
-            return []
-        log.error("agent %d: restart failed: %s", index, error)
-        lane.why = f"restart failed: {error}"
-        if lane.restarts < self.cfg.max_agent_restarts:
-            self._start(lane)
-            return []
-        lane.state = LaneState.FAILED
-        return lane.sched.drain()
+                req.lane = -1
+                self.requests.end(req, "error", f"agent {lane.index} failed ({why}) and no live agent is left"
+                                  + (f": {lane.why}" if lane.why != why else ""), 503)
 
-    def overdue(self, now: float) -> list[tuple[Sequence, str]]:
-        """Sequences that have waited past the recovery deadline for their agent, with the reason."""
-        out = []
+    def agent_back(self, msg: AgentBack) -> None:
+        """A restart's outcome: attach the new agent, retry, or fail the lane's requests."""
+        lane = self.lanes[msg.index]
+        if msg.client is not None:
+            if self.stop.is_set():
+                msg.client.close(detach=True)
+                return
+            log.warning("agent %d is back after %.1fs", lane.index, time.monotonic() - lane.down_since)
+            self.metrics.agent_restarts.inc()
+            lane.attach(msg.client)
+            self.metrics.graph_compiles.inc(lane.new_compiles(msg.client.info))
+            return
+        log.error("agent %d: restart failed: %s", lane.index, msg.error)
+        lane.why = f"restart failed: {msg.error}"
+        if not lane.backoff.exhausted:
+            self._restart(lane)
+            return
+        lane.state = LaneState.FAILED
+        for seq in list(lane.sched.waiting):
+            self.requests.end(seq.request, "error", f"agent {lane.index} could not be restarted: {msg.error}", 503)
+
+    def expire_overdue(self, now: float) -> None:
+        """Requests that have waited past the deadline for a recovering agent fail instead of hanging."""
         for lane in self.lanes:
             if lane.state is LaneState.RECOVERING:
                 why = f"agent {lane.index} still recovering after {self.cfg.recovery_deadline_s:.0f}s ({lane.why})"
-                out += [(seq, why) for seq in lane.sched.waiting
-                        if now - max(seq.arrival, lane.down_since) > self.cfg.recovery_deadline_s]
-        return out
+                for seq in [s for s in lane.sched.waiting
+                            if now - max(s.arrival, lane.down_since) > self.cfg.recovery_deadline_s]:
+                    self.requests.end(seq.request, "error", why, 503)
 
     def health(self, now: float) -> tuple[str, str]:
         for lane in self.lanes:
@@ -119,3 +120,35 @@ class Supervisor:
             if lane.stuck(now):
                 return "unhealthy", f"agent {lane.index} step stuck for {now - lane.sent_at:.0f}s"
         return "ok", "ok"
+
+    # ------------------------------------------------------------ restart threads
+    def _restart(self, lane: AgentLane) -> None:
+        delay = lane.backoff.next_delay()
+        log.warning("agent %d: restart %d/%d in %.0fs", lane.index, lane.backoff.count, lane.backoff.limit, delay)
+        self._in_thread(f"restart-agent{lane.index}", lambda: self.stop.wait(delay), lane.index)
+
+    def _await_launcher(self, lane: AgentLane) -> None:
+        """Re-attach an orphaned lane once a new agent holds its port (launch_agents started again)."""
+        port, old = self.cfg.agent_ports[lane.index], lane.client.pid
+
+        def stopped_first() -> bool:
+            while holder(port) in (None, old):  # the orphan itself may hold the port a moment longer
+                if self.stop.wait(LAUNCHER_POLL_S):
+                    return True
+            return False
+
+        self._in_thread(f"await-launcher{lane.index}", stopped_first, lane.index)
+
+    def _in_thread(self, name: str, wait: Callable[[], bool], index: int) -> None:
+        """After `wait()` (True: the engine stops, give up), restart (or wait for) agent `index` and
+        post the outcome to the engine thread."""
+        def work() -> None:
+            if wait():
+                return
+            try:
+                client, error = self.restart(index, self.lanes[index].reattach), None
+            except Exception as exc:  # reported to the engine thread, which retries or gives up
+                client, error = None, f"{type(exc).__name__}: {exc}"
+            self.inbox.put(AgentBack(index, client, error))
+
+        threading.Thread(target=work, name=name, daemon=True).start()

@@ -68,8 +68,8 @@ def router(f: Frontend) -> APIRouter:
         the device and dtype are the ones in effect."""
         info = {"docker_label": orig.docker_label(), "max_batch_total_tokens": f.cfg.prefill_buckets[-1] * f.cfg.max_running,
                 "max_concurrent_requests": f.engine.stats()["waiting"], "max_input_length": f.cfg.prefill_buckets[-1],
-                "max_total_tokens": f.cfg.max_running, "model_device_type": f.engine.device_type(),
-                "model_dtype": f.engine.model_dtype(), "model_id": f.cfg.model_name, "model_pipeline_tag": "text-generation",
+                "max_total_tokens": f.cfg.max_running, "model_device_type": f.engine.agent_info("device", "CPU"),
+                "model_dtype": f.engine.agent_info("model_dtype", "float32"), "model_id": f.cfg.model_name, "model_pipeline_tag": "text-generation",
                 "version": "2.3"}
         return Response(orig.sse_event(info), media_type="text/event-stream")
 

@@ -72,11 +72,11 @@ def router(f: Frontend) -> APIRouter:
 
     @router.get("/info")
     async def info() -> dict[str, Any]:
-        return {"model_id": f.cfg.model_name, "model_dtype": f.engine.model_dtype(), "agents": f.engine.memory(),
+        return {"model_id": f.cfg.model_name, "model_dtype": f.engine.agent_info("model_dtype", "float32"), "agents": f.engine.memory(),
                 "max_input_tokens": f.cfg.max_model_len - 1,
                 "max_total_tokens": f.cfg.max_model_len, "max_concurrent_requests": f.cfg.max_queue,
                 "max_batch_total_tokens": f.cfg.token_budget, "router": "llm-serving", "version": "0.1.0",
-                "kernels": f.engine.lanes[0].client.info.get("kernels")}  # ours: the agents' projection paths
+                "kernels": f.engine.agent_info("kernels")}  # ours: the agents' projection paths
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Any:

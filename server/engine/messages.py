@@ -1,0 +1,36 @@
+"""What the engine thread's inbox carries, one type per message (the HTTP side and the
+supervisor's restart threads post them; only the engine thread reads them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.request import Request
+from shm.transport import AgentClient
+
+
+@dataclass(frozen=True)
+class Add:
+    """A new request (already counted against max_queue by `Requests.admit`)."""
+    request: Request
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The client went away: cancel the request if it is still live."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AgentBack:
+    """A restart's outcome for lane `index`: its new client, or why it failed."""
+    index: int
+    client: AgentClient | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do but look at the stop flag (shutdown)."""
+
+
+Message = Add | Abort | AgentBack | Wake
