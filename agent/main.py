@@ -316,7 +316,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     log.info("weights loaded in %.1fs (%d layers, hidden %d, vocab %d)", time.monotonic() - t0,
              model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
     rc = RunnerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-                      token_buckets=cfg.token_buckets, max_rows=cfg.max_running,
+                      token_buckets=cfg.token_buckets, max_running=cfg.max_running,
                       mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows,
                       model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
                       int8_group=cfg.quant_group_size)

@@ -42,7 +42,7 @@ class RunnerConfig:
     block_size: int
     max_model_len: int
     token_buckets: list[int]  # padded token counts of a step, one graph each; the last is the most per step
-    max_rows: int  # sequences per step
+    max_running: int  # sequences per step (serving_config: the last decode_batch_size)
     mixed_tokens: int = 0  # most tokens of a step with decodes; larger buckets serve prefill-only steps (0: all)
     prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
@@ -52,8 +52,8 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         self.token_buckets = sorted(set(self.token_buckets))
-        if self.token_buckets[0] < 1 or self.max_rows < 1:
-            raise ValueError("token buckets and max_rows must be positive")
+        if self.token_buckets[0] < 1 or self.max_running < 1:
+            raise ValueError("token buckets and max_running must be positive")
 
     @property
     def width(self) -> int:
@@ -62,7 +62,7 @@ class RunnerConfig:
 
     def rows_for(self, tokens: int) -> int:
         """Rows (block tables) of the graphs of a token bucket: never more than its tokens."""
-        return min(tokens, self.max_rows)
+        return min(tokens, self.max_running)
 
     def logit_rows_for(self, tokens: int) -> list[int]:
         """Rows the LM head runs on, per graph of a token bucket: all rows, or a few for the

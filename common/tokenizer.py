@@ -37,6 +37,11 @@ class TextTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def spans(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, start, end) of each token of `text` (character offsets), no special tokens added."""
+        enc = self.tok.encode_batch([text], add_special_tokens=False)[0]
+        return [(i, a, b) for i, (a, b) in zip(enc.ids, enc.offsets)]
+
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 

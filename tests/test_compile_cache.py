@@ -21,7 +21,7 @@ from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 
 cfg = tiny_model_config()
-rc = RunnerConfig(num_blocks=80, block_size=4, max_model_len=64, token_buckets=json.loads(sys.argv[2]), max_rows=2)
+rc = RunnerConfig(num_blocks=80, block_size=4, max_model_len=64, token_buckets=json.loads(sys.argv[2]), max_running=2)
 setup_mindspore(sys.argv[1], key=compile_cache_key(cfg, rc))
 runner = ModelRunner(cfg, random_weights(cfg, seed=0), rc)
 runner.warmup()

@@ -174,7 +174,7 @@ def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model
         launcher.wait(60)
     files = ModelFiles("hf", tiny_model_dir)
     cfg, weights = load_model(files, 128, int8=True)
-    rc = RunnerConfig(num_blocks=16, block_size=16, max_model_len=128, token_buckets=[1, 16], max_rows=1,
+    rc = RunnerConfig(num_blocks=16, block_size=16, max_model_len=128, token_buckets=[1, 16], max_running=1,
                       model_dtype="int8", int8_group=64)
     runner = ModelRunner(cfg, weights, rc, calibration=load_tokenizer(files).encode(CALIBRATION_TEXT))
     assert served == greedy(runner, [prompt], 6)[0]

@@ -45,7 +45,7 @@ def test_planned_bytes_are_the_models_bytes(tiny_weights, dtype):
     from tests.conftest import tiny_model_config
 
     setup_mindspore()
-    rc = RunnerConfig(num_blocks=40, block_size=16, max_model_len=128, token_buckets=[1], max_rows=1,
+    rc = RunnerConfig(num_blocks=40, block_size=16, max_model_len=128, token_buckets=[1], max_running=1,
                       model_dtype=dtype)
     model = ModelRunner(tiny_model_config(), tiny_weights, rc).model
     planned = weight_bytes(TINY_SHAPE, dtype)

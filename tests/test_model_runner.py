@@ -22,7 +22,7 @@ def make_runner(weights, block_size: int, num_blocks: int = 0, native: bool = Tr
     setup_mindspore()
     num_blocks = num_blocks or 1 + 4 * (-(-128 // block_size)) + 8
     rc = RunnerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=128,
-                      token_buckets=TOKEN_BUCKETS, max_rows=16, native_kernels=native, model_dtype=dtype,
+                      token_buckets=TOKEN_BUCKETS, max_running=16, native_kernels=native, model_dtype=dtype,
                       kv_cache_dtype=kv_dtype)
     runner = ModelRunner(tiny_model_config(), weights, rc)
     assert runner.native_kernels == native  # CI machines have a C++ compiler: the kernels must build
@@ -175,7 +175,7 @@ def test_request_alone_and_in_any_mix_gives_identical_tokens(runner16):
 
 def test_graph_set_is_two_graphs_per_large_token_bucket():
     rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, token_buckets=[128, 1, 16, 256, 64],
-                      max_rows=64)
+                      max_running=64)
     assert rc.graph_shapes() == [(1, 1, 1),
         (16, 16, 8), (16, 16, 16), (64, 64, 8), (64, 64, 64), (128, 64, 8), (128, 64, 64), (256, 64, 8), (256, 64, 64)]
     assert rc.width == 64
@@ -210,7 +210,7 @@ def status(key):
 agent.attention.GATHER_BYTES = int(sys.argv[1])
 setup_mindspore()
 cfg = tiny_model_config()
-rc = RunnerConfig(num_blocks=2 + 4096 // 16, block_size=16, max_model_len=4096, token_buckets=[512], max_rows=1,
+rc = RunnerConfig(num_blocks=2 + 4096 // 16, block_size=16, max_model_len=4096, token_buckets=[512], max_running=1,
                   native_kernels=False)
 runner = ModelRunner(cfg, random_weights(cfg, 0), rc)
 runner.warmup()  # builds the graph; its buffers come with the first run

@@ -16,7 +16,7 @@ def smollm2():
     setup_mindspore()
     files = resolve_model("smollm2")
     cfg, weights = load_model(files, max_position=256)
-    rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=256, token_buckets=[1, 16], max_rows=1)
+    rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=256, token_buckets=[1, 16], max_running=1)
     return ModelRunner(cfg, weights, rc), load_tokenizer(files)
 
 

@@ -126,7 +126,7 @@ def status(key):  # kB; VmHWM, unlike ru_maxrss, does not carry the forking pare
 
 setup_mindspore()
 cfg, weights = load_model(ModelFiles(sys.argv[1], Path(sys.argv[2])), 128)
-rc = RunnerConfig(num_blocks=8, block_size=16, max_model_len=128, token_buckets=[1], max_rows=1, model_dtype=sys.argv[3])
+rc = RunnerConfig(num_blocks=8, block_size=16, max_model_len=128, token_buckets=[1], max_running=1, model_dtype=sys.argv[3])
 runner = ModelRunner(cfg, weights, rc)
 del weights
 print(status("VmRSS"), status("VmHWM"), runner.model.weight_bytes)

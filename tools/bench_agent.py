@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, _, kv = v.partition("/")
         dtype, _, group = spec.partition(":")
         rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
-                          token_buckets=batches + [args.prefill], max_rows=max(batches), model_dtype=dtype,
+                          token_buckets=batches + [args.prefill], max_running=max(batches), model_dtype=dtype,
                           kv_cache_dtype=kv or "auto", int8_group=int(group or 64))
         runners[v] = ModelRunner(cfg, weights, rc, calibration=calibration)
         print(f"{v}: weights {runners[v].model.weight_bytes / 2**20:.0f} MiB")

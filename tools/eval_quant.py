@@ -49,7 +49,7 @@ def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32
     files = resolve_model(model)
     cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8")
     rc = RunnerConfig(num_blocks=max_rows * max_len // BLOCK + 1, block_size=BLOCK, max_model_len=max_len,
-                      token_buckets=[max_rows, 512], max_rows=max_rows, model_dtype=dtype,
+                      token_buckets=[max_rows, 512], max_running=max_rows, model_dtype=dtype,
                       int8_group=group)
     tok = load_tokenizer(files)
     return ModelRunner(cfg, weights, rc, calibration=tok.encode(CALIBRATION_TEXT)), tok

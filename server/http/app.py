@@ -53,7 +53,7 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
         why = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
         return await _api_error(request, ApiError(400, f"invalid request: {why}"))
 
-    front = Frontend(engine, cfg, tok)
+    app.state.frontend = Frontend(engine, cfg, tok)  # what the routers' `Depends(Frontend.of)` returns
     for module in (original, tgi, openai, ops):
-        app.include_router(module.router(front))
+        app.include_router(module.router)
     return app

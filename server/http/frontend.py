@@ -39,6 +39,11 @@ class Frontend:
     def __init__(self, engine: Engine, cfg: ServingConfig, tok: TextTokenizer):
         self.engine, self.cfg, self.tok = engine, cfg, tok
 
+    @staticmethod
+    def of(http: HttpRequest) -> "Frontend":
+        """The app's frontend: the routers' FastAPI dependency (`Depends(Frontend.of)`)."""
+        return http.app.state.frontend
+
     async def prepare(self, text: Any, params: SamplingParams, default_new: int | None = None) -> list[int]:
         """Tokenise off the event loop: other clients and /health answer while a huge prompt is read."""
         return await asyncio.to_thread(encode_prompt, self.tok, self.cfg, text, params, default_new)

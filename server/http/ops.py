@@ -3,33 +3,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.http.frontend import Frontend
 
+router = APIRouter(tags=["operations"])
 
-def router(f: Frontend) -> APIRouter:
-    router = APIRouter(tags=["operations"])
 
-    @router.get("/health")
-    async def health() -> JSONResponse:
-        status, why = f.engine.health()
-        return JSONResponse({"status": status, "reason": why}, status_code=200 if status == "ok" else 503)
+@router.get("/health")
+async def health(f: Frontend = Depends(Frontend.of)) -> JSONResponse:
+    status, why = f.engine.health()
+    return JSONResponse({"status": status, "reason": why}, status_code=200 if status == "ok" else 503)
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(f.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/stats")
-    async def stats() -> dict[str, Any]:
-        """Live counters for operators and benchmarks (the original's /serving/* keep their shapes)."""
-        return {"model_name": f.cfg.model_name, "max_model_len": f.cfg.max_model_len, "block_size": f.cfg.block_size,
-                "num_blocks": f.cfg.num_blocks, "agents": len(f.cfg.agent_ports), **f.engine.stats()}
+@router.get("/metrics")
+async def metrics(f: Frontend = Depends(Frontend.of)) -> Response:
+    return Response(generate_latest(f.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/debug/trace")
-    async def trace() -> dict[str, Any]:
-        return f.engine.chrome_trace()
 
-    return router
+@router.get("/stats")
+async def stats(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
+    """Live counters for operators and benchmarks (the original's /serving/* keep their shapes)."""
+    return {"model_name": f.cfg.model_name, "max_model_len": f.cfg.max_model_len, "block_size": f.cfg.block_size,
+            "num_blocks": f.cfg.num_blocks, "agents": len(f.cfg.agent_ports), **f.engine.stats()}
+
+
+@router.get("/debug/trace")
+async def trace(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
+    return f.engine.chrome_trace()

@@ -1,12 +1,16 @@
-"""Request bodies of every API as pydantic models: FastAPI validates them and `/openapi.json` (and
-`/docs`) describe them. Lax as the original's clients need (booleans and numbers may arrive as
-strings: "True", "0.7"), never a boolean where a number belongs; unknown fields are kept and
-ignored. The meaning of each field (defaults, do_sample, -1 = off, ...) is applied in params.py."""
+"""Request bodies of every API as pydantic models, parsed once: FastAPI validates them (a bad field is
+a 400 naming it), `/openapi.json` (and `/docs`) describe them, and each dialect's model turns itself
+into SamplingParams (`to_sampling_params`). Lax as the original's clients need (booleans and numbers
+may arrive as strings: "True", "0.7"; null means absent), never a boolean where a number belongs;
+unknown fields are kept and ignored. The sampling knobs every dialect shares are declared once
+(`SamplingFields`)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from server.sampling_params import InvalidRequest, SamplingParams
 
 
 def _not_bool(v: Any) -> Any:
@@ -36,33 +40,59 @@ Prompt = Union[str, TokenIds]
 class Lax(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
-class GenerationParameters(Lax):
-    """`parameters` of the original llm-serving and TGI APIs."""
-    do_sample: bool | None = None
-    max_new_tokens: Int | None = None
-    temperature: Float | None = None
-    top_k: Int | None = None
-    top_p: Float | None = None
-    min_p: Float | None = None
-    repetition_penalty: Float | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
+
+class SamplingFields(Lax):
+    """The sampling knobs every dialect shares, with their defaults (top_k -1 is vLLM's "off")."""
+    temperature: Float = 1.0
+    top_k: Int = 0
+    top_p: Float = 1.0
+    min_p: Float = 0.0
+    repetition_penalty: Float = 1.0
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
     seed: Int | None = None
-    stop: Stop | None = None
-    ignore_eos: bool | None = None
+    stop: Stop = []
+    ignore_eos: bool = False
+    priority: Int = 0
+
+    def sampling_params(self, max_new_tokens: int | None, logprobs: int, top_k: int | None = None,
+                        **extra: Any) -> SamplingParams:
+        """SamplingParams of these fields (validated); `top_k`: the dialect's default when unset."""
+        k = self.top_k if top_k is None or "top_k" in self.model_fields_set else top_k
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=0 if k == -1 else k,
+            top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, priority=self.priority, **extra).validate()
+
+
+class GenerationParameters(SamplingFields):
+    """`parameters` of the original llm-serving and TGI APIs (output options default per dialect)."""
+    do_sample: bool = False
+    max_new_tokens: Int | None = None
     return_full_text: bool | None = None
     details: bool | None = None
-    top_n_tokens: Int | None = None
-    priority: Int | None = None
-    return_protocol: str | None = None  # original only: "sse" (default) or anything else for `data:` lines
+    top_n_tokens: Int = 0
+    return_protocol: str = "sse"  # original only: "sse" or anything else for `data:` lines
+
+    def to_sampling_params(self, top_k: int = 0) -> SamplingParams:
+        sp = self.sampling_params(self.max_new_tokens, self.top_n_tokens, top_k)
+        if not self.do_sample:  # greedy; the sampling knobs were still checked (a bad one is a 400 either way)
+            sp.temperature, sp.top_k, sp.top_p, sp.min_p = 0.0, 0, 1.0, 0.0
+        return sp
 
 
 class GenerateRequest(Lax):
     """Original llm-serving and TGI: `inputs` is text or token ids."""
     inputs: Prompt
-    parameters: GenerationParameters | None = None
-    stream: bool | None = None
+    parameters: GenerationParameters = GenerationParameters()
+    stream: bool = False
 
 
 class ContentPart(Lax):
@@ -70,54 +100,86 @@ class ContentPart(Lax):
     text: str | None = None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(Lax):
     role: str
-    content: Union[str, list[ContentPart], None] = None
+    content: Union[str, list[ContentPart]]
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown message role {role!r} (one of {', '.join(CHAT_ROLES)})")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: str | list[ContentPart]) -> str:
+        """Text parts (`[{"type": "text", "text": ...}]`) are joined; other part types are refused."""
+        if isinstance(content, str):
+            return content
+        if not all(c.type == "text" and c.text is not None for c in content):
+            raise ValueError('content parts must be {"type": "text", "text": ...}; other part types are not supported')
+        return "".join(c.text for c in content)
 
 
 class StreamOptions(Lax):
-    include_usage: bool | None = None
+    include_usage: bool = False
 
 
-class _OpenAI(Lax):
+class _OpenAI(SamplingFields):
     model: str | None = None
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
-    temperature: Float | None = None
-    top_k: Int | None = None
-    top_p: Float | None = None
-    min_p: Float | None = None
-    repetition_penalty: Float | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    seed: Int | None = None
-    stop: Stop | None = None
-    stop_token_ids: list[Int] | None = None
-    ignore_eos: bool | None = None
-    n: Int | None = None
+    stop_token_ids: list[Int] = []
+    n: Int = 1
     best_of: Int | None = None
-    priority: Int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    stream: bool = False
+    stream_options: StreamOptions = StreamOptions()
     logit_bias: dict[str, Float] | None = None  # refused unless empty
-    echo: bool | None = None  # /v1/completions: the prompt before the completion
+    echo: bool = False  # /v1/completions: the prompt before the completion
+
+    def _openai_params(self, logprobs: int) -> SamplingParams:
+        """OpenAI fields this server cannot honour get a 400, never silence."""
+        if self.n != 1:
+            raise InvalidRequest("only n=1 is supported")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of is not supported")
+        if self.logit_bias:  # {} and null change nothing
+            raise InvalidRequest("logit_bias is not supported")
+        most = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        return self.sampling_params(most, logprobs,
+                                    stop_token_ids=list(self.stop_token_ids))
 
 
 class CompletionRequest(_OpenAI):
     prompt: Union[str, list[str], TokenIds]
-    logprobs: Int | None = None
+    logprobs: Int = 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo and self.logprobs:
+            raise InvalidRequest("echo is supported only by /v1/completions without logprobs "
+                                 "(prompt logprobs are not computed)")
+        return self._openai_params(self.logprobs)
 
 
 class ChatRequest(_OpenAI):
-    messages: list[ChatMessage]
-    logprobs: bool | None = None
-    top_logprobs: Int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Int = 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequest("echo is supported only by /v1/completions without logprobs "
+                                 "(prompt logprobs are not computed)")
+        return self._openai_params((self.top_logprobs or 1) if self.logprobs else 0)
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as {role, content} strings, for the chat template."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
 
 
 class TokenizeRequest(Lax):
     inputs: str
-
-
-def as_dict(body: BaseModel) -> dict[str, Any]:
-    """The fields the client sent (coerced), nested models as dicts: what params.py reads."""
-    return body.model_dump(exclude_unset=True)
