@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from shm.arena import Arena, ArenaSpec, Segment
 from common.cpu import describe
 from shm.curve import INSECURE_ENV, KeyFolder, exposure
 from shm.endpoint import PortInUse, PortLock, agent_address
+from shm.messages import AgentInfo, StepReply
 from shm.step import StepDims, check_decode, check_indices
 from shm.transport import load_step_frames
 
@@ -41,11 +43,11 @@ class CommandError(RuntimeError):
         self.code = code
 
 
-def check_identity(info: dict[str, Any], h: dict[str, Any]) -> None:
+def check_identity(info: AgentInfo, h: dict[str, Any]) -> None:
     """A server may attach only with our KV geometry and model (the name is informational)."""
     for key, names in (("geometry", P.GEOMETRY_KEYS), ("model", P.MODEL_KEYS)):
         for name in names:
-            ours, theirs = info[key][name], h[key][name]
+            ours, theirs = getattr(info, key)[name], h[key][name]
             if name == "name" or (name == "num_blocks" and theirs == 0):  # 0: the server takes our pool (auto)
                 continue
             if ours != theirs:
@@ -58,7 +60,7 @@ class AgentServer:
     death detaches it, `r` detaches whoever is attached. The agent itself runs until SIGTERM, until
     the process that launched it (`owner_pid`) is gone, or after a fatal step."""
 
-    def __init__(self, address: str, runner: Any, info: dict[str, Any], owner_pid: int | None = None,
+    def __init__(self, address: str, runner: Any, info: AgentInfo, owner_pid: int | None = None,
                  curve: KeyFolder | None = None):
         """`curve`: keys for a tcp agent (shm/curve.py): only listed servers get through."""
         self.address, self.runner, self.info, self.owner_pid = address, runner, info, owner_pid
@@ -107,8 +109,8 @@ class AgentServer:
         return self._status()
 
     def _status(self) -> dict[str, Any]:
-        return {**self.info, "pid": os.getpid(), "attached": bool(self.arenas), "server_pid": self.server_pid,
-                "graph_compiles": self.runner.graph_compiles, "protocol": P.VERSION}
+        return replace(self.info, pid=os.getpid(), attached=bool(self.arenas), server_pid=self.server_pid,
+                       graph_compiles=self.runner.graph_compiles, protocol=P.VERSION).to_wire()
 
     # ------------------------------------------------------------ commands
     def _step(self, peer: bytes, msg: P.Message) -> tuple[dict[str, Any], list[bytes]]:
@@ -138,8 +140,7 @@ class AgentServer:
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else arena.output_frames(dims.n_rows)
-        return {"model_s": model_s, "agent_s": time.perf_counter() - t0, "graph_tokens": graph_tokens,
-                "graph_compiles": self.runner.graph_compiles}, frames
+        return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles).to_wire(), frames
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
         """Never raises: malformed input or a failed command becomes an error reply."""
@@ -333,13 +334,11 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
     if cfg.warmup:
         runner.warmup()
     log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
-    info = {"vocab_size": model_cfg.vocab_size, "eos_token_ids": model_cfg.eos_token_ids,
-            "geometry": cfg.geometry, "model": model_identity(cfg.model_name, files),
-            "device": device, "device_id": device_id,
-            "model_dtype": cfg.model_dtype, "weight_bytes": runner.model.weight_bytes,
-            "kv_cache_bytes": runner.model.kv_cache_bytes, "kv_cache_dtype": runner.kv_dtype,
-            "streamed_bytes": runner.model.streamed_bytes, "activation_bytes": activation_estimate(model_cfg, cfg),
-            "launcher_pid": owner_pid, "kernels": runner.kernel_paths}  # a server attached to us sees whether anyone will restart us
+    info = AgentInfo(model_cfg.vocab_size, list(model_cfg.eos_token_ids), cfg.geometry,
+                     model_identity(cfg.model_name, files), device, device_id, cfg.model_dtype,
+                     runner.model.weight_bytes, runner.model.streamed_bytes, runner.model.kv_cache_bytes,
+                     runner.kv_dtype, activation_estimate(model_cfg, cfg), runner.kernel_paths,
+                     launcher_pid=owner_pid)  # a server attached to us sees whether anyone will restart us
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))
     server.serve()

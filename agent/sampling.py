@@ -5,33 +5,23 @@ candidates come from ``argpartition``; top-p widens the candidate set only when 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from shm.step import SamplingColumns
+from shm.step import SamplingColumns, StepOutputs
 
 TOP_P_CANDIDATES = 256
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): 1/T would overflow
 LOGIT_BOUND = 1e30  # penalised logits are clipped here, so no accepted penalty makes inf or NaN
 
 
-@dataclass
-class SampleResult:
-    ids: np.ndarray  # int32 [R]; -1 where the row's sampling failed (that row fails alone)
-    logprobs: np.ndarray  # float32 [R]
-    top_ids: np.ndarray  # int32 [R, n]
-    top_logprobs: np.ndarray  # float32 [R, n]
-
-
-def _greedy(logits: np.ndarray, lse: np.ndarray) -> SampleResult:
+def _greedy(logits: np.ndarray, lse: np.ndarray) -> StepOutputs:
     """Every row greedy, no penalties, no logprobs: a handful of array calls instead of ~20 (they
     cost ~0.2 ms of a one-row decode step, cache-cold after the model's weights went through)."""
     rows = logits.shape[0]
     ids = logits.argmax(axis=-1).astype(np.int32)
     chosen = logits[np.arange(rows), ids]
     ids[~np.isfinite(chosen)] = -1
-    return SampleResult(ids, (chosen - lse).astype(np.float32), np.zeros((rows, 0), np.int32),
+    return StepOutputs(ids, (chosen - lse).astype(np.float32), np.zeros((rows, 0), np.int32),
                         np.zeros((rows, 0), np.float32))
 
 
@@ -91,7 +81,7 @@ def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float
 
 
 def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histories: list[np.ndarray | None],
-           rng: np.random.Generator) -> SampleResult:
+           rng: np.random.Generator) -> StepOutputs:
     """logits [R, V] float32 (modified in place by penalties), lse [R] its log-sum-exp per row.
 
     Reported logprobs are the model's raw log-probabilities (before penalties and temperature),
@@ -129,4 +119,4 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histori
     failed |= ~np.isfinite(raw[np.arange(rows), ids])
     ids[failed] = -1
     logprobs = (raw[np.arange(rows), np.maximum(ids, 0)] - lse).astype(np.float32)
-    return SampleResult(ids, logprobs, top_ids, top_lps)
+    return StepOutputs(ids, logprobs, top_ids, top_lps)

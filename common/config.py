@@ -1,4 +1,5 @@
-"""Serving configuration: the original llm-serving YAML keys, read into one typed object.
+"""Serving configuration: the original llm-serving YAML keys, read into one typed object by the table
+in common/config_keys.py (which says what each key means here).
 
 Pure Python (no mindspore): both the server and the agents read it.
 """
@@ -7,30 +8,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
-from common.config_keys import BFLOAT16, FLOAT16, INT8, notices
-from common.memory import parse_bytes
-
-
-def model_dtype(value: Any) -> str:
-    """The dtype the model runs in for a `model_dtype` value: "int8", "bfloat16" or "float16" for
-    their spellings, else float32 (other values are warned about by config_keys)."""
-    v = str(value).lower()
-    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float16" if v in FLOAT16 else "float32"
-
-
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _as_list(v: Any) -> list[int]:
-    items = v if isinstance(v, (list, tuple)) else [v]
-    if any(isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()) for x in items):
-        raise ValueError(v)
-    return sorted(int(x) for x in items)
-
+from common.config_keys import KEYS, WHAT, notices
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
 
@@ -165,11 +147,13 @@ class ServingConfig:
         return -(-self.max_model_len // self.block_size)
 
     def validate(self) -> "ServingConfig":
-        for attr, key, ok, allowed in RANGES:
-            value = getattr(self, attr)
+        for k in KEYS:
+            if k.check is None:
+                continue
+            value = getattr(self, k.attr)
             items = value if isinstance(value, list) else [value]
-            if not items or not all(ok(v) for v in items):
-                raise ConfigError(f"{key} = {value!r}: must be {allowed}")
+            if not items or not all(k.check(v) for v in items):
+                raise ConfigError(f"{k.name} = {value!r}: must be {k.allowed}")
         if self.agent_hosts and len(self.agent_hosts) != len(self.agent_ports):
             raise ConfigError(f"serving_config.agent_hosts = {self.agent_hosts}: one host per agent_ports entry "
                               f"({len(self.agent_ports)})")
@@ -181,78 +165,11 @@ class ServingConfig:
                               f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
                               f"decode_seq_length {self.max_model_len} (block 0 is reserved); need num_blocks >= "
                               f"{-(-self.max_model_len // self.block_size) + 1}")
-        if self.quant_group_size < 0 or 0 < self.quant_group_size < 4:
-            raise ConfigError(f"model_config.quant_group_size = {self.quant_group_size}: at least 4 inputs per int8 "
-                              "scale, or 0 (8 scales per row)")
         return self
 
 
 class ConfigError(ValueError):
     """A config that cannot be served: one line naming the key, its value and what is allowed."""
-
-
-def _port(v: int) -> bool:
-    return 1 <= v <= 65535
-
-
-# (attribute, YAML key, check of the value (of each item of a list), what is allowed)
-RANGES: list[tuple[str, str, Callable[[Any], bool], str]] = [
-    ("max_generate_length", "model_config.max_generate_length", lambda v: v >= 2, ">= 2"),
-    ("prefill_buckets", "model_config.seq_length", lambda v: v >= 1, "a list of sizes >= 1"),
-    ("decode_buckets", "model_config.decode_batch_size", lambda v: v >= 1, "a list of sizes >= 1"),
-    ("max_prefill_rows", "model_config.prefill_batch_size", lambda v: v >= 1, ">= 1"),
-    ("agent_ports", "serving_config.agent_ports", _port, "a non-empty list of ports in [1, 65535]"),
-    ("server_port", "serving_config.server_port", _port, "a port in [1, 65535]"),
-    ("start_device_id", "serving_config.start_device_id", lambda v: v >= 0, ">= 0"),
-    ("device", "serving_config.device", lambda v: v in ("CPU", "Ascend", "GPU"), "one of CPU, Ascend, GPU"),
-    ("prefill_batch_waiting_time", "serving_config.prefill_batch_waiting_time", lambda v: 0 <= v <= 10,
-     "in [0, 10] seconds"),
-    ("max_queue", "serving_config.max_queue", lambda v: v >= 1, ">= 1 (0 would refuse every request)"),
-    ("max_num_batched_tokens", "serving_config.max_num_batched_tokens", lambda v: v >= 0, ">= 0 (0 = largest seq_length)"),
-    ("prefill_only_tokens", "serving_config.prefill_only_tokens", lambda v: v >= 0, ">= 0 (0 = max_num_batched_tokens)"),
-    ("schedule_policy", "serving_config.schedule_policy", lambda v: v in ("fcfs", "sjf", "priority"),
-     "one of fcfs, sjf, priority"),
-    ("step_timeout_s", "serving_config.step_timeout_s", lambda v: v >= 1, ">= 1 second (a shorter one kills "
-     "agents in the middle of healthy steps)"),
-    ("heartbeat_s", "serving_config.heartbeat_s", lambda v: 0.1 <= v <= 25, "in [0.1, 25] seconds (a remote "
-     "agent detaches a server after 30 s of silence)"),
-    ("max_agent_restarts", "serving_config.max_agent_restarts", lambda v: v >= 0, ">= 0"),
-    ("recovery_deadline_s", "serving_config.recovery_deadline_s", lambda v: v > 0, "> 0 seconds"),
-    ("max_body_bytes", "serving_config.max_body_bytes", lambda v: v >= 1024, ">= 1024"),
-    ("max_header_bytes", "serving_config.max_header_bytes", lambda v: v >= 1024, ">= 1024"),
-    ("http_header_timeout_s", "serving_config.http_header_timeout_s", lambda v: v > 0, "> 0 seconds"),
-    ("http_keepalive_timeout_s", "serving_config.http_keepalive_timeout_s", lambda v: v >= 1, ">= 1 second"),
-    ("kv_cache_dtype", "model_config.kv_cache_dtype", lambda v: v in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES)),
-    ("num_blocks", "pa_config.num_blocks", lambda v: v == 0 or v >= 2, ">= 2 (block 0 is reserved) or auto"),
-    ("kv_cache_memory", "serving_config.kv_cache_memory", lambda v: v >= 0, "a byte count such as 8GiB"),
-    ("block_size", "pa_config.block_size", lambda v: v >= 1, ">= 1"),
-    ("max_model_len", "pa_config.decode_seq_length", lambda v: v >= 2, ">= 2"),
-]
-
-
-def _convert(section: dict[str, Any], name: str, key: str, kind: Callable[[Any], Any], default: Any) -> Any:
-    """`section[key]` as `kind`, or `default` when absent; a value of the wrong type is a ConfigError."""
-    value = section.get(key)
-    if value is None:
-        return default
-    try:
-        if kind is bool:
-            return _bool(value)
-        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError, OverflowError):
-        what = {int: "an integer", float: "a number", bool: "true or false"}.get(kind, "a list of integers")
-        raise ConfigError(f"{name}.{key} = {value!r}: must be {what}") from None
-
-
-def _bool(value: Any) -> bool:
-    """YAML booleans, and the original clients' "True"/"False" strings (bool("False") is True)."""
-    if isinstance(value, bool):
-        return value
-    if str(value).strip().lower() in ("true", "false"):
-        return str(value).strip().lower() == "true"
-    raise ValueError(value)
 
 
 def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:
@@ -284,46 +201,20 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     """The serving config of a YAML file (None: the defaults), with `overrides` by attribute.
     Raises ConfigError with one line naming the key, its value and what is allowed."""
     doc = read_yaml(path) if path else {}
-    mc, sc = _section(doc, "model_config"), _section(doc, "serving_config")
-    pa, tk = _section(doc, "pa_config"), _section(doc, "tokenizer")
+    sections = {name: _section(doc, name) for name in ("model_config", "serving_config", "pa_config", "tokenizer")}
     c = ServingConfig()
     c.source = Path(path) if path else None
     c.notices = notices(doc)
-    c.model_name = str(mc.get("model_name", c.model_name))
-    c.model_path = mc.get("model_path", c.model_path)
-    c.model_cfg_path = mc.get("model_cfg_path", c.model_cfg_path)
-    c.max_generate_length = _convert(mc, "model_config", "max_generate_length", int, c.max_generate_length)
-    c.end_token = _convert(mc, "model_config", "end_token", _as_list, [])
-    c.prefill_buckets = _convert(mc, "model_config", "seq_length", _as_list, c.prefill_buckets)
-    c.decode_buckets = _convert(mc, "model_config", "decode_batch_size", _as_list, c.decode_buckets)
-    c.max_prefill_rows = max(_convert(mc, "model_config", "prefill_batch_size", _as_list, [c.max_prefill_rows]) or [0])
-    c.vocab_size = _convert(mc, "model_config", "vocab_size", int, None)
-    c.model_dtype = model_dtype(mc.get("model_dtype"))
-    c.quant_group_size = _convert(mc, "model_config", "quant_group_size", int, c.quant_group_size)
-    c.kv_cache_dtype = str(mc.get("kv_cache_dtype", c.kv_cache_dtype)).lower()
-    # The original ignored model_config.batch_waiting_time; we honour both places.
-    c.prefill_batch_waiting_time = _convert(sc, "serving_config", "prefill_batch_waiting_time", float,
-                                            _convert(mc, "model_config", "batch_waiting_time", float, 0.0))
-    for key in ("agent_ip", "server_ip", "schedule_policy", "compile_cache_dir", "request_log", "curve_keys",
-                "device"):
-        setattr(c, key, sc.get(key, getattr(c, key)))
-    for key in ("start_device_id", "server_port", "max_queue", "max_num_batched_tokens", "prefill_only_tokens",
-                "max_agent_restarts", "max_body_bytes", "max_header_bytes"):
-        setattr(c, key, _convert(sc, "serving_config", key, int, getattr(c, key)))
-    for key in ("step_timeout_s", "heartbeat_s", "recovery_deadline_s", "http_header_timeout_s",
-                "http_keepalive_timeout_s"):
-        setattr(c, key, _convert(sc, "serving_config", key, float, getattr(c, key)))
-    for key in ("warmup", "enable_prefix_caching", "overlap_steps"):
-        setattr(c, key, _convert(sc, "serving_config", key, bool, getattr(c, key)))
-    c.agent_ports = [int(p) for p in _convert(sc, "serving_config", "agent_ports", _ports, c.agent_ports)]
-    c.agent_cores = [list(map(int, x)) for x in _convert(sc, "serving_config", "agent_cores", _cores, [])]
-    c.agent_hosts = [str(h) for h in sc.get("agent_hosts") or []]
-    c.kv_cache_memory = _convert(sc, "serving_config", "kv_cache_memory", parse_bytes, 0)
-    # kv_cache_memory sizes the pool: it implies num_blocks auto unless the YAML sets num_blocks too
-    c.num_blocks = _convert(pa, "pa_config", "num_blocks", _blocks, 0 if c.kv_cache_memory else c.num_blocks)
-    c.block_size = _convert(pa, "pa_config", "block_size", int, c.block_size)
-    c.max_model_len = _convert(pa, "pa_config", "decode_seq_length", int, c.max_model_len)
-    c.tokenizer_path = tk.get("vocab_file") or tk.get("path")
+    for k in KEYS:  # in table order: a later row for the same attribute wins
+        value = sections[k.section].get(k.key)
+        if k.attr is None or k.read is None or value is None:
+            continue
+        try:
+            setattr(c, k.attr, k.read(value))
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{k.name} = {value!r}: must be {WHAT.get(k.read, 'a list of integers')}") from None
+    if c.kv_cache_memory and "num_blocks" not in sections["pa_config"]:  # it sizes the pool: num_blocks auto
+        c.num_blocks = 0
     c.device = os.environ.get("LLM_SERVING_DEVICE") or c.device
     for key, value in overrides.items():
         if value is not None:
@@ -332,26 +223,3 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     if c.token_buckets != c.listed_buckets:  # the ladder added sizes between the YAML's
         c.notices.append(c.bucket_notice())
     return c
-
-
-def _blocks(v: Any) -> int:
-    """pa_config.num_blocks: a count, or "auto" (0)."""
-    if str(v).strip().lower() == "auto":
-        return 0
-    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-        raise ValueError(v)
-    return int(v)
-
-
-def _ports(v: Any) -> list[int]:
-    """agent_ports in the YAML's order (agent i serves agent_ports[i]), never sorted."""
-    items = v if isinstance(v, (list, tuple)) else [v]
-    if not items or any(isinstance(x, bool) for x in items):
-        raise ValueError(v)
-    return [int(x) for x in items]
-
-
-def _cores(v: Any) -> list[list[int]]:
-    if not isinstance(v, list) or not all(isinstance(x, list) for x in v):
-        raise ValueError(v)
-    return [[int(c) for c in x] for x in v]

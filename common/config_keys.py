@@ -1,48 +1,269 @@
-"""What each key of the original llm-serving YAML means here (docs/config.md says the same in prose).
+"""The serving YAML as one declarative table: every key of the original llm-serving's four sections
+and ours, with the attribute it sets, how its value is read, its range, what the original meant and
+what it does here. Loading (common/config.py), the start-up notices and docs/config.md's tables
+(`markdown`, checked by a test) are derived from it; defaults are ServingConfig's.
 
 `notices(doc)` returns one line per key we ignore, per value we cannot honour on this server, and per
 unknown key: the server and `launch_agents` print them as warnings at start.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-# Keys read into ServingConfig (common/config.py), with the original's meaning.
-HONOURED: dict[str, set[str]] = {
-    "model_config": {"model_name", "model_path", "model_cfg_path", "max_generate_length", "end_token", "seq_length",
-                     "vocab_size", "prefill_batch_size", "decode_batch_size", "batch_waiting_time",
-                     "decode_batch_waiting_time", "batching_strategy", "page_attention", "model_dtype", "backend",
-                     # ours
-                     "quant_group_size", "kv_cache_dtype"},
-    "serving_config": {"agent_ports", "agent_ip", "start_device_id", "server_ip", "server_port",
-                       "prefill_batch_waiting_time", "decode_batch_waiting_time",
-                       # ours
-                       "max_queue", "max_num_batched_tokens", "prefill_only_tokens", "schedule_policy",
-                       "step_timeout_s", "heartbeat_s", "max_agent_restarts", "recovery_deadline_s",
-                       "max_body_bytes", "max_header_bytes", "http_header_timeout_s", "http_keepalive_timeout_s",
-                       "warmup", "enable_prefix_caching", "overlap_steps", "request_log", "agent_cores", "curve_keys", "agent_hosts", "device",
-                       "kv_cache_memory",
-                       "compile_cache_dir"},
-    "pa_config": {"num_blocks", "block_size", "decode_seq_length"},
-    "tokenizer": {"vocab_file", "path"},
-}
+from common.memory import parse_bytes
 
-# Keys accepted and not needed here, with why.
-IGNORED: dict[tuple[str, str | None], str] = {
-    ("model_config", "zactivate_len"): "no graph depends on the context length (token-packed steps)",
-    ("model_config", "model_type"): "one static graph per token bucket, all built before ready",
-    ("model_config", "seq_type"): "one static graph per token bucket, all built before ready",
-    ("model_config", "current_index"): "positions travel with every token",
-    ("model_config", "pad_token_id"): "padding never reaches the model's outputs",
-    ("tokenizer", "type"): "the tokenizer is read from vocab_file or the model's own files",
-    ("basic_inputs", None): "model inputs are built by the agent",
-    ("extra_inputs", None): "model inputs are built by the agent",
-    ("warmup_inputs", None): "warm-up builds every graph shape itself",
-}
 FLOAT32 = ("float32", "fp32", "datatype.float32", "mstype.float32")
 INT8 = ("int8", "w8a8", "datatype.int8", "mstype.int8")
 BFLOAT16 = ("bfloat16", "bf16", "datatype.bfloat16", "mstype.bfloat16")
 FLOAT16 = ("float16", "fp16", "half", "datatype.float16", "mstype.float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer")
+# Whole sections accepted and not needed here, with why.
+IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
+                    for name in ("basic_inputs", "extra_inputs", "warmup_inputs")}
+
+
+# ------------------------------------------------------------ value readers (ValueError/TypeError: refused)
+def as_bool(value: Any) -> bool:
+    """YAML booleans, and the original clients' "True"/"False" strings (bool("False") is True)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() in ("true", "false"):
+        return str(value).strip().lower() == "true"
+    raise ValueError(value)
+
+
+def as_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)
+    return int(value)
+
+
+def as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)
+
+
+def as_sizes(v: Any) -> list[int]:
+    """A size or a list of sizes, sorted."""
+    return sorted(as_int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+
+
+def as_most(v: Any) -> int:
+    """The original's prefill_batch_size is a list; the most of it counts here."""
+    return max(as_sizes(v) or [0])
+
+
+def as_ports(v: Any) -> list[int]:
+    """agent_ports in the YAML's order (agent i serves agent_ports[i]), never sorted."""
+    items = v if isinstance(v, (list, tuple)) else [v]
+    if not items:
+        raise ValueError(v)
+    return [as_int(x) for x in items]
+
+
+def as_cores(v: Any) -> list[list[int]]:
+    if not isinstance(v, list) or not all(isinstance(x, list) for x in v):
+        raise ValueError(v)
+    return [[as_int(c) for c in x] for x in v]
+
+
+def as_hosts(v: Any) -> list[str]:
+    if not isinstance(v, list):
+        raise ValueError(v)
+    return [str(h) for h in v]
+
+
+def as_blocks(v: Any) -> int:
+    """pa_config.num_blocks: a count, or "auto" (0)."""
+    return 0 if str(v).strip().lower() == "auto" else as_int(v)
+
+
+def model_dtype(value: Any) -> str:
+    """The dtype the model runs in for a `model_dtype` value: "int8", "bfloat16" or "float16" for
+    their spellings, else float32 (other values get a notice)."""
+    v = str(value).lower()
+    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float16" if v in FLOAT16 else "float32"
+
+
+def lower(value: Any) -> str:
+    return str(value).lower()
+
+
+WHAT = {as_int: "an integer", as_float: "a number", as_bool: "true or false", parse_bytes: "a byte count such as 8GiB",
+        as_blocks: "an integer or auto", as_cores: "a list of core lists", as_hosts: "a list of hosts",
+        str: "a string"}
+
+
+def _port(v: int) -> bool:
+    return 1 <= v <= 65535
+
+
+@dataclass(frozen=True)
+class Key:
+    section: str
+    key: str
+    attr: str | None  # the ServingConfig attribute it sets; None: read only for a notice, or ignored
+    read: Callable[[Any], Any] | None = None  # YAML value -> attribute value
+    check: Callable[[Any], bool] | None = None  # of the attribute (of each item of a list), after overrides
+    allowed: str = ""  # what `check` allows, for its error
+    original: str = "—"  # what the original llm-serving meant ("—": ours)
+    here: str = ""  # what this server does with it
+    ignored: str | None = None  # why it is ignored here (a notice at start)
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+
+M, S, P, T = "model_config", "serving_config", "pa_config", "tokenizer"
+SUPERVISION = "supervision (README, \"Failures\")"
+KEYS: list[Key] = [
+    # ---------------------------------------------------------------- model_config
+    Key(M, "model_name", "model_name", str, original="model id", here="the id in replies (`model_id`, `/v1/models`)"),
+    Key(M, "model_cfg_path", "model_cfg_path", str, original="MindFormers model yaml; its `load_checkpoint` names the weights",
+        here="same: the checkpoint named by `load_checkpoint` (a `.ckpt`, or a folder with one) is loaded. A missing "
+             "yaml, key or checkpoint stops the start with a line naming it, never another model"),
+    Key(M, "model_path", "model_path", str,
+        here="a `.gguf`, a Hugging Face folder, a MindFormers `.ckpt` (with `model_cfg_path`), or `smollm2`; when "
+             "neither this nor `model_cfg_path` is set, SmolLM2-135M-Instruct"),
+    Key(M, "max_generate_length", "max_generate_length", as_int, lambda v: v >= 2, ">= 2",
+        "cap on prompt + output tokens", "same: a request ends with `length` there (and the context is "
+        "`min(decode_seq_length, max_generate_length)`)"),
+    Key(M, "end_token", "end_token", as_sizes, original="extra stop token ids", here="same, on top of the model's EOS"),
+    Key(M, "seq_length", "prefill_buckets", as_sizes, lambda v: v >= 1, "a list of sizes >= 1",
+        "prefill graph lengths (last = longest input)",
+        "token buckets of a step (one static graph each); the last is the step's token budget unless "
+        "`max_num_batched_tokens` is set; prompts longer than it are chunked, not refused"),
+    Key(M, "decode_batch_size", "decode_buckets", as_sizes, lambda v: v >= 1, "a list of sizes >= 1",
+        "decode graph batch sizes (last = most running)",
+        "token buckets too; the last is the most sequences running per agent. Between these sizes (and below the "
+        "smallest) powers of two are added wherever two buckets are more than 4x apart, and 1 is always one: small "
+        "steps run small graphs (the contest's `[4096]` / `[128]` give 1, 4, 16, 64, 128, 512, 2048, 4096; a "
+        "`config:` line says so when sizes are added). The graph set is logged at every start"),
+    Key(M, "prefill_batch_size", "max_prefill_rows", as_most, lambda v: v >= 1, ">= 1", "prompts per prefill",
+        "most prefill chunks in one step (the most of a list)"),
+    Key(M, "vocab_size", "vocab_size", as_int, original="the model's vocabulary",
+        here="checked: the model's must be equal, else the start fails naming both"),
+    Key(M, "batch_waiting_time", "prefill_batch_waiting_time", as_float,
+        original="wait for a fuller batch (the original read it only from serving_config)",
+        here="same as `serving_config.prefill_batch_waiting_time` (which wins when both are set)"),
+    Key(M, "decode_batch_waiting_time", None, original="read, never used by the original",
+        here="accepted; a non-zero value is warned about: decode steps never wait"),
+    Key(M, "batching_strategy", None, original="`continuous` or `static`", here="`continuous` only; `static` is warned about"),
+    Key(M, "page_attention", None, original="paged KV cache on/off", here="always paged; `False` is warned about"),
+    Key(M, "model_dtype", "model_dtype", model_dtype, original="weight dtype",
+        here="`float32` (default), `bfloat16` (also `bf16`, `DataType.BFLOAT16`: projection and LM-head weights kept "
+             "bf16, oneDNN bf16 matmul where the CPU has AVX512-BF16/AMX; README, \"bfloat16\"), `float16` (also "
+             "`fp16`, `DataType.FLOAT16`: f16 weights, fp32 activations) or `int8` (also `DataType.INT8`, `w8a8`): "
+             "projections and LM head as W8A8 in a native kernel (AVX2 `vpmaddubsw`, VNNI when the CPU has it), "
+             "SmoothQuant-calibrated at load, norms/rope/attention/KV cache/sampling in fp32; GGUF `Q8_0` weights are "
+             "used as stored (groups of 32). Needs the native kernels (a C++ compiler). Other values are warned about "
+             "and run float32"),
+    Key(M, "kv_cache_dtype", "kv_cache_dtype", lower, lambda v: v in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES),
+        here="ours (vLLM's `--kv-cache-dtype`): `auto` (the model's compute dtype, i.e. `bfloat16` with bfloat16 "
+             "weights, else `float32`), `float32`, `bfloat16` or `float16`; 16-bit caches halve the KV memory (the pool "
+             "holds twice the tokens in the same bytes), rope writes k/v rounded to it and paged attention widens them "
+             "to fp32 as it reads (needs the native kernels). `--kv-cache-dtype` on `llm-serving` and `launch_agents`"),
+    Key(M, "quant_group_size", "quant_group_size", as_int, lambda v: v == 0 or v >= 4,
+        "at least 4 inputs per int8 scale, or 0 (8 scales per row)",
+        here="with `int8`: at most this many inputs share one int8 scale, in weights and activations (>= 4; the agent "
+             "picks the multiple of 4 that cuts a row into blocks of 8 groups, e.g. 36 for 576 inputs); `0` = 8 scales "
+             "per row (faster prefill, perplexity +1.0% instead of +0.4% on SmolLM2: docs/benchmarks.md)"),
+    Key(M, "backend", None, original="`kbk` / `ge` MindFormers execution modes",
+        here="warned about: the agent runs its own MindSpore graph-mode Llama"),
+    Key(M, "zactivate_len", None, original="attention-width buckets",
+        ignored="no graph depends on the context length: steps are token-packed"),
+    Key(M, "model_type", None, original="`dyn`/`static` graph modes", ignored="one static graph per token bucket, all built before ready"),
+    Key(M, "seq_type", None, original="`dyn`/`static` graph modes", ignored="one static graph per token bucket, all built before ready"),
+    Key(M, "current_index", None, original="index input toggle", ignored="positions travel with every token"),
+    Key(M, "pad_token_id", None, original="padding id", ignored="padding never reaches the model's outputs"),
+    # ---------------------------------------------------------------- serving_config
+    Key(S, "agent_ports", "agent_ports", as_ports, _port, "a non-empty list of ports in [1, 65535]", "one agent per port",
+        "same; several ports = data-parallel replicas"),
+    Key(S, "agent_ip", "agent_ip", str, original="where agents listen", here="same: `127.0.0.1` = ipc + shared memory, else tcp"),
+    Key(S, "start_device_id", "start_device_id", as_int, lambda v: v >= 0, ">= 0", "device of agent 0",
+        "same: agent i calls `mindspore.set_device(device, start_device_id + i)` and reports the target and id "
+        "MindSpore then says (`/stats` `devices`)"),
+    Key(S, "device", "device", str, lambda v: v in ("CPU", "Ascend", "GPU"), "one of CPU, Ascend, GPU",
+        here="ours: `CPU`, `Ascend` or `GPU` (`--device`, or `LLM_SERVING_DEVICE`); the native kernels are CPU "
+             "kernels, other devices run the plain MindSpore model"),
+    Key(S, "kv_cache_memory", "kv_cache_memory", parse_bytes, lambda v: v >= 0, "a byte count such as 8GiB",
+        here="ours: the KV pool per agent in bytes (`8GiB`, `512MiB`, `20G` = GiB, or an integer), vLLM's KV-space "
+             "idea; implies `pa_config.num_blocks: auto` unless `num_blocks` is also set. Every start checks weights + "
+             "KV + activations + runtime per agent, times the agents started on this host, against its available "
+             "memory and stops before loading with what it needs and has (`llm-serving --dry-run` prints that plan)"),
+    Key(S, "server_ip", "server_ip", str, original="HTTP address", here="same"),
+    Key(S, "server_port", "server_port", as_int, _port, "a port in [1, 65535]", "HTTP port", "same"),
+    Key(S, "prefill_batch_waiting_time", "prefill_batch_waiting_time", as_float, lambda v: 0 <= v <= 10,
+        "in [0, 10] seconds", "seconds to wait for companions before a prefill",
+        "an idle agent holds a lone prompt up to this long (from its arrival) while fewer than `prefill_batch_size` "
+        "wait; never delays a running batch"),
+    Key(S, "decode_batch_waiting_time", None, original="see model_config", here="see model_config"),
+    Key(S, "max_queue", "max_queue", as_int, lambda v: v >= 1, ">= 1 (0 would refuse every request)",
+        here="waiting requests before 503 + `Retry-After`"),
+    Key(S, "max_num_batched_tokens", "max_num_batched_tokens", as_int, lambda v: v >= 0, ">= 0 (0 = largest seq_length)",
+        here="token budget of a step with decodes (0: the last `seq_length`; 512 in configs/smollm2.yaml)"),
+    Key(S, "prefill_only_tokens", "prefill_only_tokens", as_int, lambda v: v >= 0, ">= 0 (0 = max_num_batched_tokens)",
+        here="token budget while nothing decodes (0: the same)"),
+    Key(S, "schedule_policy", "schedule_policy", str, lambda v: v in ("fcfs", "sjf", "priority"), "one of fcfs, sjf, priority",
+        here="`fcfs`, `sjf` (shortest max_new_tokens first), `priority`"),
+    Key(S, "step_timeout_s", "step_timeout_s", as_float, lambda v: v >= 1,
+        ">= 1 second (a shorter one kills agents in the middle of healthy steps)",
+        here="a step longer than this: the agent is stuck, killed and restarted; " + SUPERVISION),
+    Key(S, "heartbeat_s", "heartbeat_s", as_float, lambda v: 0.1 <= v <= 25,
+        "in [0.1, 25] seconds (a remote agent detaches a server after 30 s of silence)",
+        here="idle agents are pinged this often; " + SUPERVISION),
+    Key(S, "max_agent_restarts", "max_agent_restarts", as_int, lambda v: v >= 0, ">= 0",
+        here="restarts in a row (no successful step between; for `launch_agents`, none alive 60 s) before giving up; "
+             + SUPERVISION),
+    Key(S, "recovery_deadline_s", "recovery_deadline_s", as_float, lambda v: v > 0, "> 0 seconds",
+        here="a request waiting this long for a recovering agent fails; " + SUPERVISION),
+    Key(S, "max_body_bytes", "max_body_bytes", as_int, lambda v: v >= 1024, ">= 1024", here="larger HTTP bodies get 413"),
+    Key(S, "max_header_bytes", "max_header_bytes", as_int, lambda v: v >= 1024, ">= 1024",
+        here="larger request headers get 431 and the connection is closed"),
+    Key(S, "http_header_timeout_s", "http_header_timeout_s", as_float, lambda v: v > 0, "> 0 seconds",
+        here="a connection must send each request's headers within this many seconds of opening or of its previous "
+             "response, else it is closed: idle and slow-header sockets cannot pile up"),
+    Key(S, "http_keepalive_timeout_s", "http_keepalive_timeout_s", as_float, lambda v: v >= 1, ">= 1 second",
+        here="an idle keep-alive connection is closed after this many seconds"),
+    Key(S, "warmup", "warmup", as_bool, here="build every graph before ready"),
+    Key(S, "enable_prefix_caching", "enable_prefix_caching", as_bool, here="reuse KV blocks of a prompt prefix computed before"),
+    Key(S, "overlap_steps", "overlap_steps", as_bool,
+        here="send step N+1 while the agent runs step N, its decodes fed by the agent's own last samples (`false` or "
+             "`llm-serving --no-overlap`: one step at a time, for debugging and A/B). Greedy output is the same either way"),
+    Key(S, "request_log", "request_log", str,
+        here="a JSON-lines file, one line per ended request: arrival, first scheduled, inference begin/end, first token, "
+             "finish (Unix s) and the derived waiting / scheduling-to-inference / inference / TTFT / latency"),
+    Key(S, "agent_cores", "agent_cores", as_cores, here="CPU cores per agent, e.g. `[[0], [1]]` (empty: spread over CPUs)"),
+    Key(S, "agent_hosts", "agent_hosts", as_hosts,
+        here="one host per `agent_ports` entry, for agents on several hosts (else `agent_ip` for all); "
+             "`llm-serving --agents host:port,...` sets both"),
+    Key(S, "curve_keys", "curve_keys", str,
+        here="a CURVE key folder (`tools/curve_keys.py`): tcp agents accept only the servers it lists, frames "
+             "encrypted (docs/protocol.md)"),
+    Key(S, "compile_cache_dir", "compile_cache_dir", str, here="on-disk MindSpore compile cache"),
+    # ---------------------------------------------------------------- pa_config
+    Key(P, "num_blocks", "num_blocks", as_blocks, lambda v: v == 0 or v >= 2, ">= 2 (block 0 is reserved) or auto",
+        "KV blocks per device",
+        "same (block 0 is reserved); must hold one `decode_seq_length` sequence. `auto` (0): sized before the agents "
+        "load (common/memory.py): `serving_config.kv_cache_memory` bytes of blocks when set, else 90% of the host "
+        "memory left per agent after weights, activations and runtime, at most every running sequence at full "
+        "length. `llm-serving --dry-run` prints the plan"),
+    Key(P, "block_size", "block_size", as_int, lambda v: v >= 1, ">= 1", "tokens per block", "same"),
+    Key(P, "decode_seq_length", "max_model_len", as_int, lambda v: v >= 2, ">= 2", "longest sequence",
+        "same: the KV context per sequence"),
+    # ---------------------------------------------------------------- tokenizer
+    Key(T, "path", "tokenizer_path", str, here="ours: the same as `vocab_file` (which wins when both are set)"),
+    Key(T, "vocab_file", "tokenizer_path", str, original="tokenizer file (`tokenizer.model`)",
+        here="a SentencePiece `tokenizer.model` or a `tokenizer.json`; its vocabulary must fit the model's (a llama2 "
+             "tokenizer in front of another model stops the start)"),
+    Key(T, "type", None, original="tokenizer class", ignored="the tokenizer is read from vocab_file or the model's own files"),
+]
+
+HONOURED = {s: {k.key for k in KEYS if k.section == s and k.ignored is None} for s in SECTIONS}
 
 
 def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
@@ -64,17 +285,32 @@ def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
 
 
 def notices(doc: dict[str, Any]) -> list[str]:
+    rows = {(k.section, k.key): k for k in KEYS}
     out = []
     for section, body in doc.items():
-        if (section, None) in IGNORED:
-            out.append(f"{section}: ignored ({IGNORED[(section, None)]})")
+        if section in IGNORED_SECTIONS:
+            out.append(f"{section}: ignored ({IGNORED_SECTIONS[section]})")
             continue
-        if section not in HONOURED:
+        if section not in SECTIONS:
             out.append(f"unknown section {section!r}: ignored")
             continue
         for key in (body or {}):
-            if (section, key) in IGNORED:
-                out.append(f"{section}.{key}: ignored ({IGNORED[(section, key)]})")
-            elif key not in HONOURED[section]:
+            row = rows.get((section, key))
+            if row is None:
                 out.append(f"unknown key {section}.{key}: ignored")
+            elif row.ignored:
+                out.append(f"{section}.{key}: ignored ({row.ignored})")
     return out + _value_notices(doc.get("model_config") or {}, doc.get("serving_config") or {})
+
+
+def markdown(section: str, defaults: Any) -> str:
+    """docs/config.md's table of a section: key, the original's meaning, what it does here, default."""
+    lines = ["| key | original meaning | here | default |", "|---|---|---|---|"]
+    for k in KEYS:
+        if k.section != section:
+            continue
+        here = f"ignored ({k.ignored})" if k.ignored else k.here
+        default = getattr(defaults, k.attr) if k.attr else None
+        shown = "" if default is None or k.ignored else f"`{str(default).lower() if isinstance(default, bool) else default}`"
+        lines.append(f"| `{k.key}` | {k.original} | {here} | {shown} |")
+    return "\n".join(lines)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from common.config import load_config
 from llm_serving.launch import stop_agents
-from llm_serving.serve import start_engine
+from llm_serving.boot import start_engine
 from server.engine.engine import QueueFull
 from server.prompts import encode_prompt
 from server.request import Request, Sink

@@ -13,7 +13,6 @@ class BlockManager:
         self.hash_of: dict[int, int] = {}  # block -> hash of the full block's token chain
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self.prefix_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -59,7 +58,6 @@ class BlockManager:
                 self.evictable.pop(block, None)
             self.refs[block] += 1
             table.append(block)
-        self.prefix_hits += len(table)
         return table
 
     def grow(self, table: list[int], length: int) -> bool:

@@ -67,7 +67,8 @@ class SamplingColumns:
 
 @dataclass
 class StepOutputs:
-    """What the agent writes back for every row that samples."""
+    """What the agent writes back for every row that samples (the sampler returns one for the
+    sampled rows, with n <= N alternatives)."""
     ids: np.ndarray = col("int32", "R")  # -1: this row's sampling failed (its neighbours are unaffected)
     logprobs: np.ndarray = col("float32", "R")
     top_ids: np.ndarray = col("int32", "R", "N")

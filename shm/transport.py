@@ -20,6 +20,7 @@ from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment, segment_name
 from shm.curve import KeyFolder
+from shm.messages import AgentInfo, StepReply
 from shm.step import StepDims
 
 POLL_MS = 100
@@ -74,7 +75,7 @@ class AgentClient:
             self.segment = Segment(segment_name(tag), spec.size, create=True)
         self.arenas = Arena.slots(spec, self.segment.buf if self.segment else None)
         self.pid = pid
-        self.info: dict[str, Any] = {}
+        self.info: AgentInfo | None = None  # from the handshake
         self._msg_id = 0
         # Commands awaiting their replies, oldest first. Steps may be pipelined up to one per arena
         # slot (the agent runs them in order); others go alone.
@@ -152,14 +153,15 @@ class AgentClient:
         return reply[0]
 
     # ------------------------------------------------------------ protocol
-    def handshake(self, geometry: dict[str, int], model: dict[str, str], timeout_s: float = 600.0) -> dict[str, Any]:
+    def handshake(self, geometry: dict[str, int], model: dict[str, str], timeout_s: float = 600.0) -> AgentInfo:
         """Attach the agent to our arena (waits for it to load). The agent refuses (E_MISMATCH) when
         its KV geometry or model differs from ours, or (E_BUSY) while another live server holds it."""
         body = self.call(P.HANDSHAKE, {"arena": self.segment.name if self.segment else None,
                                        "spec": self.spec.to_wire(), "server_pid": os.getpid(),
                                        "geometry": geometry, "model": model}, timeout_s)
-        self.pid, self.info = int(body["pid"]), body
-        return body
+        self.info = AgentInfo.from_wire(body)
+        self.pid = self.info.pid
+        return self.info
 
     def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None) -> None:
         """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step`
@@ -171,7 +173,7 @@ class AgentClient:
                   {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot,
                    "free": free}, frames, dims, slot, tag)
 
-    def poll_step(self, timeout_s: float) -> dict[str, Any] | None:
+    def poll_step(self, timeout_s: float) -> StepReply | None:
         """The reply to the oldest step in flight (its outputs are then in its slot), or None."""
         head = self._pending[0]
         reply = self.poll(timeout_s)
@@ -180,7 +182,7 @@ class AgentClient:
         body, frames = reply
         if not self.local:
             self.arenas[head.slot].load_outputs(head.dims.n_rows, frames)
-        return body
+        return StepReply.from_wire(body)
 
     def send_heartbeat(self) -> None:
         self.send(P.HEARTBEAT)

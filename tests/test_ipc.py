@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llm_serving.launch import start_agents, stop_agents
 from common.config import load_config
-from llm_serving.serve import connect_agents
+from llm_serving.boot import connect_agents
 from server.sampling_params import SamplingParams
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, clean_stale_segments, our_segments
@@ -145,7 +145,7 @@ def test_agent_survives_garbage_and_keeps_serving(agent):
         with pytest.raises(AgentError, match="tokens out of range"):
             client.poll_step(30)
         assert _decode_step(client, cfg) is not None
-        assert 0 <= client.arena.full.outputs.ids[0] < client.info["vocab_size"]
+        assert 0 <= client.arena.full.outputs.ids[0] < client.info.vocab_size
         assert client.call(P.HEARTBEAT)["attached"]
     finally:
         client.close()
@@ -160,7 +160,7 @@ def test_second_server_is_refused_while_first_is_attached(agent):
         other_live_pid = os.getppid()
         raw.send_multipart(P.encode(P.HANDSHAKE, {"arena": None, "spec": first.spec.to_wire(),
                                                   "server_pid": other_live_pid, "geometry": cfg.geometry,
-                                                  "model": first.info["model"], "id": 1}))
+                                                  "model": first.info.model, "id": 1}))
         assert raw.poll(10_000)
         ok, body, _ = P.decode_reply(raw.recv_multipart())
         assert not ok and body["code"] == P.E_BUSY and f"server pid {os.getpid()}" in body["error"]

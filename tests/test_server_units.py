@@ -201,7 +201,7 @@ def test_bench_random_range_ratio_draws_lengths_in_range():
 
 
 def test_vocab_checks_allow_padding_and_refuse_another_model():
-    from llm_serving.serve import vocab_mismatch
+    from llm_serving.boot import vocab_mismatch
 
     cfg = ServingConfig()
     assert vocab_mismatch(cfg, 151665, 151936) is None  # Qwen2: embedding padded past the tokenizer
@@ -254,13 +254,33 @@ def test_model_dtype_spellings(tmp_path, value, dtype):
     assert any("model_dtype" in n for n in cfg.notices) == (value == "float8")
     with pytest.raises(ValueError, match="quant_group_size"):
         load_config(path, quant_group_size=2)
-    from pathlib import Path
 
-    from common.config_keys import HONOURED, IGNORED
 
-    doc = (Path(__file__).parent.parent / "docs/config.md").read_text()
-    keys = {k for ks in HONOURED.values() for k in ks} | {k or s for s, k in IGNORED}
-    assert [k for k in sorted(keys) if f"`{k}`" not in doc and f"`{k}`," not in doc] == []
+def test_config_doc_is_the_config_table():
+    """docs/config.md's key tables are generated from common/config_keys.py (python -m tools.config_doc)."""
+    from common.config_keys import IGNORED_SECTIONS, KEYS
+    from tools.config_doc import DOC, render
+
+    doc = DOC.read_text()
+    assert render(doc) == doc, "docs/config.md is stale: run python -m tools.config_doc"
+    assert all(f"| `{k.key}` |" in doc for k in KEYS) and all(f"`{s}`" in doc for s in IGNORED_SECTIONS)
+
+
+def test_a_config_key_is_one_row_of_the_table(tmp_path):
+    """Loading, the range check and the notices all follow the table: a row's reader, check and
+    ignored reason are what a YAML gets."""
+    from common.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model_config:\n  zactivate_len: [512]\n  seq_length: 64\npa_config:\n  decode_seq_length: 64\n"
+                    "serving_config:\n  kv_cache_memory: 1GiB\n  warmup: 'False'\n")
+    cfg = load_config(path)
+    assert (cfg.prefill_buckets, cfg.max_model_len, cfg.kv_cache_memory, cfg.num_blocks, cfg.warmup) == \
+        ([64], 64, 1 << 30, 0, False)
+    assert any(n.startswith("model_config.zactivate_len: ignored") for n in cfg.notices)
+    path.write_text("serving_config:\n  agent_hosts: localhost\n")
+    with pytest.raises(ConfigError, match="agent_hosts = 'localhost': must be a list of hosts"):
+        load_config(path)
 
 
 def test_shipped_configs_need_no_warning():

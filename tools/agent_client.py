@@ -55,7 +55,7 @@ def generate(client: AgentClient, prompt: list[int], max_tokens: int, chunk: int
         if body is None:
             raise TimeoutError("no reply within 600 s")
         steps.append({"cmd": cmd, "n_tokens": len(toks), "wall_ms": round((time.perf_counter() - t0) * 1e3, 2),
-                      "model_ms": round(body["model_s"] * 1e3, 2)})
+                      "model_ms": round(body.model_s * 1e3, 2)})
         fed += len(toks)
         if last:
             token = read_row(client.arena.full.outputs, 0, 0).token
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reset:
             client.call(P.RESET)
         info = client.handshake(cfg.geometry, model_identity(cfg.model_name, files), timeout_s=600)
-        stop = set() if args.ignore_eos else set(info["eos_token_ids"])
+        stop = set() if args.ignore_eos else set(info.eos_token_ids)
         ids, steps = generate(client, prompt, args.max_tokens, chunk, cfg.block_size, stop)
     except (AgentError, TimeoutError) as exc:
         print(f"agent on port {port}: {exc}", file=sys.stderr)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"text": text, "token_ids": ids, "steps": steps}))
         return 0
-    print(f"agent pid {info['pid']} on port {port}, model {info['model']['name']}\n{args.prompt}{text}")
+    print(f"agent pid {info.pid} on port {port}, model {info.model['name']}\n{args.prompt}{text}")
     print(f"tokens: {ids}")
     for i, s in enumerate(steps):
         print(f"step {i:3d} {s['cmd']} {s['n_tokens']:4d} tokens  wall {s['wall_ms']:8.2f} ms  model {s['model_ms']:8.2f} ms")

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 from llm_serving.launch import start_agents, stop_agents  # noqa: E402
 from common.config import load_config  # noqa: E402
-from llm_serving.serve import connect_agents  # noqa: E402
+from llm_serving.boot import connect_agents  # noqa: E402
 from server.sampling_params import SamplingParams  # noqa: E402
 from shm.step import RowInput, StepDims  # noqa: E402
 from shm import protocol as P  # noqa: E402
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             body = step(dims)
             walls.append(time.perf_counter() - t0)
-            models.append(body["model_s"])
+            models.append(body.model_s)
         decode_us = statistics.median(walls) * 1e6
         ipc = empty + write64
         print(f"transport: {args.transport}")

@@ -26,13 +26,12 @@ from server.engine.stepper import Stepper
 from server.engine.supervisor import Restart, Supervisor
 from server.request import Request
 from server.scheduler import Sequence
+from shm.messages import AgentInfo
 from shm.transport import AgentClient
 
 __all__ = ["Engine", "QueueFull"]
 log = logging.getLogger("llm_serving.engine")
 IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this long per turn
-# What each agent reports of its memory at attach (agent/main.py), shown by /stats and /info.
-MEMORY_KEYS = ("weight_bytes", "streamed_bytes", "kv_cache_bytes", "kv_cache_dtype", "activation_bytes", "kernels")
 
 
 class Engine:
@@ -42,10 +41,10 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
         for lane in self.lanes:
-            self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info))
+            self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info.graph_compiles))
         eos = set(tokenizer.eos_token_ids) | set(cfg.end_token)
         for c in clients:
-            eos |= set(c.info.get("eos_token_ids", []))
+            eos |= set(c.info.eos_token_ids)
         log_file = open(cfg.request_log, "a", buffering=1) if cfg.request_log else None  # line-buffered JSONL
         self.out = OutputProcessor(tokenizer, eos, cfg.max_model_len, self.metrics, log_file)
         self.requests = Requests(cfg.max_queue, self.out, self.lanes)
@@ -88,21 +87,20 @@ class Engine:
             return "unhealthy", "engine thread stopped"
         return self.supervisor.health(time.monotonic())
 
-    def agent_info(self, key: str, default: Any = None) -> Any:
+    def agent_info(self) -> AgentInfo:
         """What the first agent reported at attach (device, model_dtype, kernels, ...)."""
-        return self.lanes[0].client.info.get(key, default)
+        return self.lanes[0].client.info
 
     def memory(self) -> list[dict[str, Any]]:
         """Per agent: weight, streamed, KV and activation bytes, the KV dtype and the kernel path."""
-        return [{k: lane.client.info.get(k) for k in MEMORY_KEYS} for lane in self.lanes]
+        return [lane.client.info.memory() for lane in self.lanes]
 
     def stats(self) -> dict[str, Any]:
         running = sum(len(lane.sched.running) for lane in self.lanes)
         waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()
         return {"running": running, "waiting": waiting, "agents_alive": sum(lane.live for lane in self.lanes),
                 "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.stepper.step_count,
-                "devices": [f"{lane.client.info.get('device', '?')}:{lane.client.info.get('device_id', '?')}"
-                            for lane in self.lanes],
+                "devices": [f"{lane.client.info.device}:{lane.client.info.device_id}" for lane in self.lanes],
                 "memory": self.memory(),
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
 

@@ -18,6 +18,7 @@ from common.procs import Backoff, pid_alive
 from server.scheduler import Scheduler, Sequence, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
+from shm.messages import StepReply
 from shm.transport import AgentClient, AgentDead, AgentError
 
 
@@ -103,7 +104,7 @@ class AgentLane:
             self.client.send_heartbeat()
             self.sent_at = now
 
-    def poll(self, timeout_s: float) -> dict | None:
+    def poll(self, timeout_s: float) -> StepReply | None:
         """The reply to the oldest step in flight, or None (none yet, or a heartbeat's). Raises
         AgentDead/AgentError."""
         if self.ping_pending:
@@ -122,7 +123,7 @@ class AgentLane:
 
     def orphaned(self) -> int | None:
         """The pid of this local agent's launcher if that process is gone (no restart will come)."""
-        launcher = self.client.info.get("launcher_pid")
+        launcher = self.client.info.launcher_pid
         if self.client.local and launcher and not pid_alive(int(launcher)):
             return int(launcher)
         return None
@@ -143,8 +144,7 @@ class AgentLane:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()
         self.graph_compiles = 0  # a new process
 
-    def new_compiles(self, reply: dict) -> int:
-        """Graphs the agent built since its last reply (its count is per process)."""
-        n = int(reply.get("graph_compiles", self.graph_compiles))
+    def new_compiles(self, n: int) -> int:
+        """Graphs the agent built since its last reply, of the `n` it has built (per process)."""
         delta, self.graph_compiles = max(0, n - self.graph_compiles), max(n, self.graph_compiles)
         return delta

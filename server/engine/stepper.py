@@ -16,6 +16,7 @@ from server.engine.trace import StepRecord, StepTrace
 from server.request import Status
 from shm import protocol as P
 from shm.step import read_row
+from shm.messages import StepReply
 from shm.transport import AgentDead, AgentError
 
 log = logging.getLogger("llm_serving.engine")
@@ -79,7 +80,7 @@ class Stepper:
         lane.backoff.reset()
         self._step_done(lane, head, body, now)
 
-    def _step_done(self, lane: AgentLane, step: InFlight, body: dict, now: float) -> None:
+    def _step_done(self, lane: AgentLane, step: InFlight, reply: StepReply, now: float) -> None:
         rows = step.plan.rows
         start = max(step.sent_at, lane.replied_at)  # the agent ran the step before this one until then
         lane.replied_at = now
@@ -87,7 +88,7 @@ class Stepper:
         self.metrics.step_time.labels(kind).observe(now - start)
         self.step_count += 1
         self.step_wall_s += now - start
-        self.metrics.graph_compiles.inc(lane.new_compiles(body))
+        self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
         outputs = lane.client.arenas[step.slot].full.outputs
         # A row's token is kept only for a live, sampled row whose sampling succeeded.
         read = [read_row(outputs, i, p.seq.params.logprobs) if p.sample else None for i, p in enumerate(rows)]
@@ -113,5 +114,5 @@ class Stepper:
                 else:
                     self.out.emit(req, delta)
         self.trace.record(StepRecord(lane.index, kind, len(rows), sum(p.n_tokens for p in rows), step.sent_at, start,
-                                     now, step.prepare_s, time.monotonic() - now, body.get("model_s", 0.0),
-                                     body.get("agent_s", 0.0), body.get("graph_tokens", 0)))
+                                     now, step.prepare_s, time.monotonic() - now, reply.model_s, reply.agent_s,
+                                     reply.graph_tokens))

@@ -79,7 +79,7 @@ async def get_model_info(f: Frontend = Depends(Frontend.of)) -> Response:
     the device and dtype are the ones in effect."""
     info = {"docker_label": orig.docker_label(), "max_batch_total_tokens": f.cfg.prefill_buckets[-1] * f.cfg.max_running,
             "max_concurrent_requests": f.engine.stats()["waiting"], "max_input_length": f.cfg.prefill_buckets[-1],
-            "max_total_tokens": f.cfg.max_running, "model_device_type": f.engine.agent_info("device", "CPU"),
-            "model_dtype": f.engine.agent_info("model_dtype", "float32"), "model_id": f.cfg.model_name,
+            "max_total_tokens": f.cfg.max_running, "model_device_type": f.engine.agent_info().device,
+            "model_dtype": f.engine.agent_info().model_dtype, "model_id": f.cfg.model_name,
             "model_pipeline_tag": "text-generation", "version": "2.3"}
     return Response(orig.sse_event(info), media_type="text/event-stream")

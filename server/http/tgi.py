@@ -67,11 +67,11 @@ async def root(body: GenerateRequest, http: HttpRequest, f: Frontend = Depends(F
 
 @router.get("/info")
 async def info(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
-    return {"model_id": f.cfg.model_name, "model_dtype": f.engine.agent_info("model_dtype", "float32"),
+    return {"model_id": f.cfg.model_name, "model_dtype": f.engine.agent_info().model_dtype,
             "agents": f.engine.memory(), "max_input_tokens": f.cfg.max_model_len - 1,
             "max_total_tokens": f.cfg.max_model_len, "max_concurrent_requests": f.cfg.max_queue,
             "max_batch_total_tokens": f.cfg.token_budget, "router": "llm-serving", "version": "0.1.0",
-            "kernels": f.engine.agent_info("kernels")}  # ours: the agents' projection paths
+            "kernels": f.engine.agent_info().kernels}  # ours: the agents' projection paths
 
 
 @router.post("/tokenize")

@@ -1,0 +1,64 @@
+"""What an agent replies, typed: its handshake (`#`) and status reply (`AgentInfo`) and a step's
+reply (`StepReply`). The wire carries them as msgpack maps (docs/protocol.md); `from_wire` keeps
+the fields it knows, so an agent of a newer minor version may add others."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# What /stats and /info show of each agent's memory and kernels.
+MEMORY_FIELDS = ("weight_bytes", "streamed_bytes", "kv_cache_bytes", "kv_cache_dtype", "activation_bytes", "kernels")
+
+
+def _known(cls: type, body: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in body.items() if k in names}
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    vocab_size: int
+    eos_token_ids: list[int]
+    geometry: dict[str, int]  # GEOMETRY_KEYS: what a server must match (num_blocks 0: it takes ours)
+    model: dict[str, str]  # MODEL_KEYS: name, digest
+    device: str = "CPU"  # as MindSpore reports it
+    device_id: int = 0
+    model_dtype: str = "float32"
+    weight_bytes: int = 0
+    streamed_bytes: int = 0  # weights read from disk as they are used (not resident)
+    kv_cache_bytes: int = 0
+    kv_cache_dtype: str = "float32"
+    activation_bytes: int = 0
+    kernels: str = ""  # the path the projections take on this CPU
+    launcher_pid: int | None = None  # whoever restarts this agent (None: nobody)
+    # Filled per reply:
+    pid: int = 0
+    attached: bool = False
+    server_pid: int | None = None
+    graph_compiles: int = 0  # graphs this process has built
+    protocol: int = 0
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "AgentInfo":
+        return cls(**_known(cls, body))
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def memory(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in MEMORY_FIELDS}
+
+
+@dataclass(frozen=True)
+class StepReply:
+    model_s: float = 0.0  # the model's graph call
+    agent_s: float = 0.0  # the whole command on the agent, sampling included
+    graph_tokens: int = 0  # the token bucket that ran it
+    graph_compiles: int = 0
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "StepReply":
+        return cls(**_known(cls, body))
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
