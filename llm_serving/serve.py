@@ -9,15 +9,18 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 from common.config import ConfigError, ServingConfig, load_config
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
+from common.tokenizer import TextTokenizer
+from llm_serving.boot import START_ERRORS, start_engine
 from llm_serving.launch import agent_env, positive, stop_agents
+from server.engine.engine import Engine
 from shm.arena import clean_stale_segments
 from shm.endpoint import clean_stale_endpoints, lws_agents, parse_agents
 
-from llm_serving.boot import START_ERRORS, start_engine
 log = logging.getLogger("llm_serving")
 
 
@@ -70,7 +73,7 @@ def _demo(url: str, model: str, key: str | None) -> None:
     print(f"demo request -> {r['choices'][0]['message']['content']!r}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llm-serving", description="LLM inference server on MindSpore")
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--model", dest="model_path", help="smollm2, a .gguf file, a HF folder or a .ckpt")
@@ -103,22 +106,31 @@ def main(argv: list[str] | None = None) -> int:
                     "activations per agent, against this host's available memory) and exit: 0 if it fits")
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def configure(args: argparse.Namespace, overrides: dict[str, Any]) -> ServingConfig:
+    """The YAML with the command line's overrides and the agents' addresses (--agents, else a
+    LeaderWorkerSet's LWS_* variables): agents started elsewhere are attached to."""
+    cfg = load_config(args.config, **overrides)
+    agents = parse_agents(args.agents) if args.agents else lws_agents(dict(os.environ), cfg.agent_ports[0])
+    if agents:
+        overrides.update(agent_hosts=[h for h, _ in agents], agent_ports=[p for _, p in agents])
+        cfg = load_config(args.config, **overrides)
+        args.attach = True
+        log.info("agents: %s", ", ".join(f"{h}:{p}" for h, p in agents))
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port", "overlap_steps",
-                                               "device")
-                 if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
+                                               "overlap_steps", "device") if getattr(args, k) is not None}
     started = time.monotonic()
     try:
-        cfg = load_config(args.config, **overrides)
-        agents = parse_agents(args.agents) if args.agents else lws_agents(dict(os.environ), cfg.agent_ports[0])
-        if agents:  # the orchestrator's addresses: agents started elsewhere (launch_agents there)
-            hosts, ports = [h for h, _ in agents], [p for _, p in agents]
-            overrides.update(agent_hosts=hosts, agent_ports=ports)
-            cfg = load_config(args.config, **overrides)
-            args.attach = True
-            log.info("agents: %s", ", ".join(f"{h}:{p}" for h, p in agents))
+        cfg = configure(args, overrides)
     except (ConfigError, ValueError) as exc:
         return start_failed(f"config: {exc}", args.verbose)
     for line in cfg.notices:
@@ -131,13 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
     clean_stale_endpoints()
-
-    import uvicorn  # after the config is known to be valid
-
-    from server.http.app import build_app
-    from server.http.api_keys import parse_keys
-    from server.http.guard import guarded_protocol
-
     try:
         http = bind_http(cfg)
         engine, tok, procs = start_engine(cfg, args.config, overrides, args.attach, args.reset_agents)
@@ -145,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         return start_failed(str(exc), args.verbose)
     except Exception as exc:  # a bug or an unforeseen environment: still one line (--verbose: the traceback)
         return start_failed(f"{type(exc).__name__}: {exc}", args.verbose)
+    return serve(args, cfg, http, engine, tok, procs, started)
+
+
+def serve(args: argparse.Namespace, cfg: ServingConfig, http: socket.socket, engine: Engine, tok: TextTokenizer, procs: list,
+          started: float) -> int:
+    """HTTP until SIGTERM/SIGINT; then the engine and the agents we started stop."""
+    import uvicorn
+
+    from server.http.api_keys import parse_keys
+    from server.http.app import build_app
+    from server.http.guard import guarded_protocol
+
     keys = parse_keys(args.api_key, os.environ.get("LLM_SERVING_API_KEY"))
     if keys:
         log.info("API keys required (%d configured)", len(keys))

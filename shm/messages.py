@@ -10,13 +10,20 @@ from typing import Any
 MEMORY_FIELDS = ("weight_bytes", "streamed_bytes", "kv_cache_bytes", "kv_cache_dtype", "activation_bytes", "kernels")
 
 
-def _known(cls: type, body: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in body.items() if k in names}
+class Wire:
+    """A reply as a msgpack map; fields it does not know are dropped."""
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Any:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in names})
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
-class AgentInfo:
+class AgentInfo(Wire):
     vocab_size: int
     eos_token_ids: list[int]
     geometry: dict[str, int]  # GEOMETRY_KEYS: what a server must match (num_blocks 0: it takes ours)
@@ -25,7 +32,7 @@ class AgentInfo:
     device_id: int = 0
     model_dtype: str = "float32"
     weight_bytes: int = 0
-    streamed_bytes: int = 0  # weights read from disk as they are used (not resident)
+    streamed_bytes: int = 0  # weight bytes every decode step reads (all but the embedding and rope tables)
     kv_cache_bytes: int = 0
     kv_cache_dtype: str = "float32"
     activation_bytes: int = 0
@@ -38,27 +45,13 @@ class AgentInfo:
     graph_compiles: int = 0  # graphs this process has built
     protocol: int = 0
 
-    @classmethod
-    def from_wire(cls, body: dict[str, Any]) -> "AgentInfo":
-        return cls(**_known(cls, body))
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
     def memory(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in MEMORY_FIELDS}
 
 
 @dataclass(frozen=True)
-class StepReply:
+class StepReply(Wire):
     model_s: float = 0.0  # the model's graph call
     agent_s: float = 0.0  # the whole command on the agent, sampling included
     graph_tokens: int = 0  # the token bucket that ran it
     graph_compiles: int = 0
-
-    @classmethod
-    def from_wire(cls, body: dict[str, Any]) -> "StepReply":
-        return cls(**_known(cls, body))
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)

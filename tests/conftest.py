@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Llama written as a real Hugging Face folder (config.json,
-model.safetensors, byte-level tokenizer.json), so tests exercise the real loaders and processes."""
+model.safetensors, byte-level tokenizer.json), so tests exercise the real loaders and processes.
+Each test gets its folder's marker (unit, agent, e2e): `pytest -m unit` runs the seconds-long ones."""
 from __future__ import annotations
 
 import json
@@ -73,3 +74,10 @@ def smollm2_fp32_eval() -> dict:
     from tools.eval_quant import evaluate
 
     return evaluate("smollm2", "float32", 4)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = Path(item.path).parent.name
+        if group in ("unit", "agent", "e2e"):
+            item.add_marker(group)

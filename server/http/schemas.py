@@ -48,17 +48,17 @@ class Lax(BaseModel):
 
 class SamplingFields(Lax):
     """The sampling knobs every dialect shares, with their defaults (top_k -1 is vLLM's "off")."""
-    temperature: Float = 1.0
-    top_k: Int = 0
-    top_p: Float = 1.0
-    min_p: Float = 0.0
-    repetition_penalty: Float = 1.0
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
-    seed: Int | None = None
-    stop: Stop = []
-    ignore_eos: bool = False
-    priority: Int = 0
+    temperature: Float = Field(1.0, description="0 = greedy (TGI and the original: do_sample false)")
+    top_k: Int = Field(0, description="0 or -1 = off")
+    top_p: Float = Field(1.0, description="nucleus mass in (0, 1]")
+    min_p: Float = Field(0.0, description="drop tokens below min_p x the top probability")
+    repetition_penalty: Float = Field(1.0, description="> 0; 1 = off (over prompt and output, as in HF)")
+    presence_penalty: Float = Field(0.0, description="in [-2, 2]: once for each token already in the output")
+    frequency_penalty: Float = Field(0.0, description="in [-2, 2]: per occurrence in the output")
+    seed: Int | None = Field(None, description="the same seed and prompt give the same tokens")
+    stop: Stop = Field([], description="strings that end the output (not included)")
+    ignore_eos: bool = Field(False, description="generate past EOS until max tokens")
+    priority: Int = Field(0, description="lower runs first with schedule_policy priority")
 
     def sampling_params(self, max_new_tokens: int | None, logprobs: int, top_k: int | None = None,
                         **extra: Any) -> SamplingParams:

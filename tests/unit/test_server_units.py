@@ -11,6 +11,7 @@ from common.model_files import ModelFiles
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, Sequence
 from common.tokenizer import load_tokenizer
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +289,7 @@ def test_shipped_configs_need_no_warning():
 
     from common.config import load_config
 
-    assert load_config(Path(__file__).parent.parent / "configs/smollm2.yaml").notices == []
+    assert load_config(ROOT / "configs/smollm2.yaml").notices == []
 
 
 def test_retry_after_follows_the_queue_and_recent_throughput():

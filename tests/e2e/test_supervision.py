@@ -12,7 +12,7 @@ import httpx
 
 from shm.arena import our_segments
 from tests.helpers import ServerProcess, tiny_config
-from tests.test_server_e2e import _server_idle, original_generate
+from tests.e2e.test_server_e2e import _server_idle, original_generate
 
 PROMPTS = [f"prompt number {i}" for i in range(4)]
 NEW = 60

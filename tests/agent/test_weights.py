@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from agent.layers import bf16_bits
 from agent.weights import _unpermute, load_model, read_safetensors
 from common.model_files import ModelFiles
 from tests.conftest import TINY
-from tests.helpers import save_mindformers
+from tests.helpers import ROOT, save_mindformers
 from tools.export_model import permute_qk
 
 def test_mindformers_checkpoint_loads_by_name_mapping(tmp_path, tiny_weights):
@@ -115,7 +114,6 @@ def test_mindformers_base_config_chains_resolve_without_the_extra(tmp_path):
 
 _LOAD_CHILD = """
 import sys
-from pathlib import Path
 import mindspore  # noqa: F401  (its runtime is part of the final RSS, not of loading)
 from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
 from agent.weights import load_model
@@ -157,7 +155,7 @@ def test_loading_streams_tensor_by_tensor(tmp_path, kind, dtype):
         write_gguf(path, cfg, w, tok, "f32")
     del w
     out = subprocess.run([sys.executable, "-c", _LOAD_CHILD, kind, str(path), dtype], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     final, peak, weight_bytes = map(int, out.stdout.split()[-3:])
     assert weight_bytes < (0.6 if dtype == "bfloat16" else 1.1) * 200e6

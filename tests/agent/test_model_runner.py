@@ -10,6 +10,7 @@ from shm.step import RowInput
 from shm.arena import Arena, ArenaSpec
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
+from tests.helpers import ROOT
 
 LOGIT_TOL = 1e-3
 PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [250, 1, 2], list(range(30, 70)), [9]]
@@ -235,7 +236,7 @@ def test_plain_path_step_memory_is_bounded_at_4096_context():
 
     def peak(gather_bytes: int) -> int:
         out = subprocess.run([sys.executable, "-c", _PLAIN_4096, str(gather_bytes)], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent.parent, timeout=600)
+                             cwd=ROOT, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return int(out.stdout.split()[-1])
 

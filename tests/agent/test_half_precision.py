@@ -20,8 +20,9 @@ from agent.layers import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear, bf16_bits
 from common.cpu import cpu_flags
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
-from tests.test_int8 import _call
-from tests.test_model_runner import PROMPTS, PagedDriver, make_runner
+from tests.agent.test_int8 import _call
+from tests.agent.test_model_runner import PROMPTS, PagedDriver, make_runner
+from tests.helpers import ROOT
 
 # (rows, inputs, outputs): decode rows around the streaming loop's 4-row tiles, oneDNN's threshold
 # (8), a packed step, a width that needs padding and several blocks per core.
@@ -71,7 +72,7 @@ def test_kernel_as_built_for_this_cpu():
 
 _AVX2_CHILD = """
 import sys
-from tests.test_half_precision import check_kernel
+from tests.agent.test_half_precision import check_kernel
 print(check_kernel(sys.argv[1]))
 """
 
@@ -87,7 +88,7 @@ def test_avx2_build_without_onednn_bf16(tmp_path):
                     *kernels._dnnl_flags()], check=True, capture_output=True)
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", _AVX2_CHILD, str(lib)], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "AVX2" in out.stdout and "converted to fp32" in out.stdout, out.stdout
 
