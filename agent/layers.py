@@ -209,6 +209,32 @@ class Int8Linear(NativeLinear):
         return self.swiglu_op(gu, self.w0[i], self.w1[i], self.w2[i])
 
 
+class Alone(nn.Cell):
+    """A model on one rank: nothing to combine."""
+
+    def reduce(self, x: Tensor) -> Tensor:
+        return x
+
+    def gather(self, logits: Tensor) -> Tensor:
+        return logits
+
+
+class ShmCollectives(nn.Cell):
+    """One rank of a tensor-parallel group on this host (agent/kernels/collective.cpp): o_proj's and
+    down's partial sums all-reduced, the vocabulary-parallel head's logits gathered."""
+
+    def __init__(self, k: dict[str, Any], vocab: int, padded: int):
+        super().__init__()
+        self.all_reduce, self.all_gather, self.vocab, self.padded = k["all_reduce"], k["all_gather"], vocab, padded
+
+    def reduce(self, x: Tensor) -> Tensor:
+        return self.all_reduce(x)
+
+    def gather(self, logits: Tensor) -> Tensor:
+        full = self.all_gather(logits)
+        return full[:, :self.vocab] if self.padded != self.vocab else full
+
+
 # ------------------------------------------------------------------ the backend, chosen once
 @dataclass(frozen=True)
 class Backend:
@@ -220,6 +246,7 @@ class Backend:
     kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32
     int8_group: int = 64
     ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
+    tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -229,6 +256,9 @@ class Backend:
                              "not 0, a CPU device); the plain-MindSpore path runs float32 only")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)} or auto")
+        if self.tp_size > 1 and (self.lib is None or self.dtype == "int8"):
+            raise ValueError("tensor_parallel_size > 1 needs the native kernels (its collectives are native) and a "
+                             "float model_dtype (float32, bfloat16, float16)")
         if self.kv_dtype != "float32" and self.lib is None:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads 16-bit "
                              "KV there); the plain-MindSpore path keeps float32")
@@ -236,7 +266,14 @@ class Backend:
     def kernels(self, cfg: Any) -> dict[str, Any]:
         if self.lib is None:
             return {}
-        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim)
+        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim, self.tp_size)
+
+    def collectives(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
+        return ShmCollectives(k, cfg.vocab_size, self.head_width(cfg) * self.tp_size) if self.tp_size > 1 else Alone()
+
+    def head_width(self, cfg: Any) -> int:
+        """This rank's share of the vocabulary (padded to equal shares)."""
+        return -(-cfg.vocab_size // self.tp_size)
 
     def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
         return NativeNorms(cfg.rms_eps, k) if self.lib else PlainNorms(cfg.rms_eps, cfg.intermediate_size)
@@ -263,7 +300,7 @@ class Backend:
         # int8 applies the final norm's gain where it quantises; float weights fold it into the head
         layers["head"] = [cls.params("head", 0, (head, gain) if self.dtype == "int8" else head * gain[None, :])]
         widths = {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
-                  "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": cfg.vocab_size}
+                  "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": self.head_width(cfg)}
         return {name: cls(norms, ls, k, widths[name]) for name, ls in layers.items()}
 
     def _prepared(self, cfg: Any, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:

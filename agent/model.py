@@ -90,6 +90,7 @@ class LlamaModel(nn.Cell):
         self.attn = backend.attention(cfg, block_size, k)
         proj = backend.projections(cfg, weights, 1.0 / math.sqrt(cfg.head_dim), self.norms, k)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
+        self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
@@ -127,13 +128,13 @@ class LlamaModel(nn.Cell):
         for i in range(self.cfg.num_layers):
             q, k_cache, v_cache = self.attn.rope_write(qkv, c, slots, self.k_cache[i], self.v_cache[i])
             attn = self.attn.attention(q, k_cache, v_cache, c)
-            x, gu = self.gate_up.add_norm_linear(x, self.o.linear(attn, i), i)
-            delta = self.down.swiglu_linear(gu, i)
+            x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(self.o.linear(attn, i)), i)
+            delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
             if i + 1 < self.cfg.num_layers:
                 x, qkv = self.qkv.add_norm_linear(x, delta, i + 1)
         _, h = self.norms.add_rms(x, delta)
         # h is the final norm of every token (its gain folded into the head); only sampling tokens go on.
-        logits = self.head.linear(ops.gather(h, logit_rows, 0), 0)
+        logits = self.comm.gather(self.head.linear(ops.gather(h, logit_rows, 0), 0))
         peak = logits.max(-1, keepdims=True)
         lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
         return logits, lse

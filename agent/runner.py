@@ -21,6 +21,7 @@ from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
 from agent.layers import Backend
 from agent.model import LlamaConfig, LlamaModel
+from agent.tensor_parallel import Group, ShardedWeights, check_shape, open_group, rank_config
 from agent.sampling import needs_penalty, sample
 from common.memory import kv_dtype_for
 from shm.step import SamplingColumns, StepInputs, StepView
@@ -49,6 +50,7 @@ class RunnerConfig:
     model_dtype: str = "float32"  # or "bfloat16" / "int8" projections (agent.layers; need the native kernels)
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (common.config.kv_dtype_for)
     int8_group: int = 64  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
+    tp: Group = Group()  # this runner's rank of a tensor-parallel group (agent.tensor_parallel)
 
     def __post_init__(self) -> None:
         self.token_buckets = sorted(set(self.token_buckets))
@@ -82,7 +84,8 @@ class RunnerConfig:
 def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
     exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
-    return f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|{rc.max_model_len}|{rc.graph_shapes()}"
+    return (f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|"
+            f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}")
 
 
 def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
@@ -94,7 +97,8 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int 
 
     if cache_dir:
         src = b"".join(Path(__file__).with_name(f).read_bytes()
-                       for f in ("model.py", "layers.py", "attention.py", "projections.py", "runner.py"))
+                       for f in ("model.py", "layers.py", "attention.py", "projections.py", "runner.py",
+                                                                "tensor_parallel.py"))
         digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
@@ -133,10 +137,17 @@ class ModelRunner:
         int8 = rc.model_dtype == "int8"
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
         backend = Backend(rc.model_dtype, lib, kv_dtype_for(rc.kv_cache_dtype, rc.model_dtype, lib is not None),
-                          rc.int8_group, ranges)
+                          rc.int8_group, ranges, rc.tp.size)
         self.kv_dtype = backend.kv_dtype
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype)
-        self.model = LlamaModel(model_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
+        shard_cfg = model_cfg
+        if rc.tp.parallel:  # this rank's heads, FFN columns and vocabulary (the collectives need `lib`)
+            why = check_shape(model_cfg, rc.tp.size)
+            if why:
+                raise ValueError(why)
+            open_group(lib, rc.tp)
+            weights, shard_cfg = ShardedWeights(weights, model_cfg, rc.tp.rank, rc.tp.size), rank_config(model_cfg, rc.tp.size)
+        self.model = LlamaModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
@@ -215,13 +226,15 @@ class ModelRunner:
         logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
         sampled = np.nonzero(x.sample)[0]
-        if sampled.size and self.dump is not None:  # before penalties change the logits in place
+        writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
+        if sampled.size and self.dump is not None and writes:  # before penalties change the logits in place
             self.dump.write(logits[sampled], x.seq_ids[sampled], v.sampling.output_len[sampled])
         if sampled.size:
             hist = [self._history(int(x.seq_ids[r])) for r in sampled]
             res = sample(logits[sampled], lse[sampled], v.sampling.take(sampled), hist, self.rng)
             res.ids[unfed[sampled]] = -1  # its input was unknown: this row fails, its neighbours go on
             self.last.update(zip(x.seq_ids[sampled].tolist(), res.ids.tolist()))
+        if sampled.size and writes:
             out = v.outputs
             out.ids[sampled] = res.ids
             out.logprobs[sampled] = res.logprobs

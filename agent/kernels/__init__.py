@@ -112,11 +112,11 @@ def kernel_paths(lib: str | None, dtype: str) -> str:
     return fn().decode()
 
 
-def custom_ops(lib: str, q_size: int) -> dict[str, Any]:
+def custom_ops(lib: str, q_size: int, tp_size: int = 1) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
     blocks; int8; alone or fused with the norm / SwiGLU feeding them), paged attention reading the cache
     by slot, rope writing the step's keys and values into the cache, and RMSNorm / SwiGLU each as one
-    op instead of 4-5."""
+    op instead of 4-5; the tensor-parallel collectives over shared memory (`tp_size` ranks)."""
     from mindspore import ops
 
     def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
@@ -142,4 +142,6 @@ def custom_ops(lib: str, q_size: int) -> dict[str, Any]:
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
         "rope_cache": writes_memory(custom("RopeCache", lambda qkv, *_: [qkv[0], q_size], same)),
+        "all_reduce": custom("AllReduce", same, same),
+        "all_gather": custom("AllGather", lambda x: [x[0], x[1] * tp_size], same),
     }

@@ -1,0 +1,134 @@
+"""Tensor parallelism: one model's ranks, each on its own agent process (and cores), the pattern
+vLLM, SGLang and MindFormers share. Q/K/V and gate/up are split by output (heads, FFN columns),
+o_proj and down by input, each followed by one all-reduce per layer; the LM head is split by
+vocabulary and its logits gathered. The embedding and norms are kept whole (the embedding is ~6% of
+a 1.1B model, and whole it needs no collective). KV heads are split across ranks, or replicated
+when there are more ranks than KV heads; each rank's KV pool holds only its heads.
+
+Every rank ends a step with the same logits (the all-reduce sums in rank order on every rank), so
+every rank samples the same tokens from the same seed: a fed decode needs no broadcast. Rank 0
+alone writes the step's outputs and its reply is the step's.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from agent.model import LlamaConfig
+
+SEGMENT_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Group:
+    """This agent's place in its model's tensor-parallel group."""
+    rank: int = 0
+    size: int = 1
+    segment: str | None = None  # the collectives' shared memory (size > 1), made by the launcher
+    slot_floats: int = 0  # floats one rank may contribute to one collective
+
+    @property
+    def parallel(self) -> bool:
+        return self.size > 1
+
+
+def slot_floats(cfg: LlamaConfig, max_tokens: int, max_rows: int, size: int) -> int:
+    """The largest collective of a step: a step's activations [tokens, hidden], or one rank's
+    logits [rows, vocab / size]."""
+    return max(max_tokens * cfg.hidden_size, max_rows * padded_vocab(cfg.vocab_size, size) // size)
+
+
+def padded_vocab(vocab: int, size: int) -> int:
+    return -(-vocab // size) * size
+
+
+def segment_bytes(size: int, floats: int) -> int:
+    """What collective.cpp maps: one cache line per rank, two buffers of a slot per rank."""
+    return size * 64 + 2 * size * floats * 4
+
+
+def create_segment(name: str, size: int, floats: int) -> Path:
+    """The group's collective segment, zeroed (a restarted group starts from generation 0)."""
+    path = SEGMENT_DIR / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, segment_bytes(size, floats))
+    finally:
+        os.close(fd)
+    return path
+
+
+def open_group(lib: str, group: Group) -> None:
+    """Map the group's segment into the kernel library before any graph runs a collective."""
+    rc = ctypes.CDLL(lib).TpOpen(str(SEGMENT_DIR / group.segment).encode(), group.rank, group.size,
+                                 ctypes.c_int64(group.slot_floats))
+    if rc != 0:
+        raise RuntimeError(f"tensor-parallel segment {group.segment}: cannot map it (code {rc})")
+
+
+def check_shape(cfg: LlamaConfig, size: int) -> str | None:
+    """Why `cfg` cannot be split `size` ways, or None."""
+    kv_split = cfg.num_kv_heads % size == 0 or size % cfg.num_kv_heads == 0
+    if cfg.num_heads % size or cfg.intermediate_size % size or not kv_split:
+        return (f"tensor_parallel_size {size} must divide the model's {cfg.num_heads} attention heads and "
+                f"{cfg.intermediate_size} FFN columns, and divide or be a multiple of its {cfg.num_kv_heads} KV heads")
+    return None
+
+
+def rank_config(cfg: LlamaConfig, size: int) -> LlamaConfig:
+    """The model one rank runs: its heads, KV heads and FFN columns; the vocabulary padded to `size`
+    shards (the gathered logits are cut back to the vocabulary)."""
+    return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
+                   intermediate_size=cfg.intermediate_size // size, tie_word_embeddings=False,
+                   head_dim=cfg.head_dim)
+
+
+class ShardedWeights(Mapping):
+    """Hugging Face-named weights as rank `rank` of `size` sees them: each tensor sliced when it is
+    read (a lazily loaded file keeps one full tensor in memory at a time)."""
+
+    def __init__(self, weights: Mapping, cfg: LlamaConfig, rank: int, size: int):
+        self.w, self.cfg, self.rank, self.size = weights, cfg, rank, size
+        hd, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q0 = rank * heads // size
+        self.q = slice(q0 * hd, (q0 + heads // size) * hd)
+        kv0 = q0 // (heads // kv)  # the KV head of the rank's first query head
+        self.kv = slice(kv0 * hd, (kv0 + max(1, kv // size)) * hd)
+        f = cfg.intermediate_size // size
+        self.ffn = slice(rank * f, (rank + 1) * f)
+        v = padded_vocab(cfg.vocab_size, size) // size
+        self.vocab = slice(rank * v, (rank + 1) * v)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.w
+        if "lm_head.weight" not in self.w:
+            yield "lm_head.weight"
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "lm_head.weight":
+            head = self.w.get("lm_head.weight")
+            if head is None or self.cfg.tie_word_embeddings:
+                head = self.w["model.embed_tokens.weight"]
+            head = np.asarray(head)
+            pad = padded_vocab(head.shape[0], self.size) - head.shape[0]
+            if pad:  # zero rows: their logits are cut off after the gather
+                head = np.concatenate([head, np.zeros((pad, head.shape[1]), head.dtype)])
+            return np.ascontiguousarray(head[self.vocab])
+        t = self.w[name]
+        for suffix, rows, cols in (("q_proj.weight", self.q, None), ("k_proj.weight", self.kv, None),
+                                   ("v_proj.weight", self.kv, None), ("o_proj.weight", None, self.q),
+                                   ("gate_proj.weight", self.ffn, None), ("up_proj.weight", self.ffn, None),
+                                   ("down_proj.weight", None, self.ffn)):
+            if name.endswith(suffix):
+                t = np.asarray(t)
+                return np.ascontiguousarray(t[rows] if rows is not None else t[:, cols])
+        return t

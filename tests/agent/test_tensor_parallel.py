@@ -1,0 +1,109 @@
+"""Tensor-parallel ranks (agent/tensor_parallel.py, agent/kernels/collective.cpp) as real processes
+sharing a collective segment: the same logits and greedy tokens as one rank and as the float64
+reference."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from agent.tensor_parallel import SEGMENT_DIR, create_segment
+from tests.agent.test_model_runner import PROMPTS
+from tests.conftest import tiny_model_config
+from tests.helpers import ROOT
+from tests.reference import reference_logits
+
+TP_TOL = 1e-4  # fp32: a rank's partial sums and the all-reduce's order against one rank and float64
+STEPS = 10
+
+_RANK = """
+import json, sys
+import numpy as np
+from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.tensor_parallel import Group, slot_floats
+from tests.agent.test_model_runner import PROMPTS, TOKEN_BUCKETS, PagedDriver
+from tests.conftest import tiny_model_config
+from tests.reference import random_weights
+
+rank, size, segment, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+cfg = tiny_model_config()
+setup_mindspore()
+group = Group(rank, size, segment, slot_floats(cfg, 512, 16, size)) if size > 1 else Group()
+rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=TOKEN_BUCKETS, max_running=16, tp=group)
+runner = ModelRunner(cfg, random_weights(cfg, seed=0), rc)
+runner.warmup()
+
+
+class RankDriver(PagedDriver):
+    def run(self, prompts, steps):
+        seqs, fed, tables, got = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts]
+        for _ in range(steps + 1):
+            from shm.step import RowInput
+            rows = [RowInput(i, np.asarray(s[fed[i]:], np.int32), fed[i], self._table(len(s), tables[i]), True,
+                             self.params, len(prompts[i]), len(s) - len(prompts[i])) for i, s in enumerate(seqs)]
+            v = self.arena.step(self.arena.write_step(rows, self.bs))
+            logits, _ = self.runner.forward(v.inputs)
+            self.runner.step(v, [])
+            for i, s in enumerate(seqs):
+                got[i].append(logits[i].tolist())
+                fed[i] = len(s)
+                s.append(self.runner.last[i])  # every rank samples the same token; only rank 0 writes it
+        return seqs, got
+
+
+seqs, logits = RankDriver(runner).run(PROMPTS, steps)
+json.dump({"seqs": seqs, "logits": logits, "kv": runner.model.kv_cache_bytes, "weights": runner.model.weight_bytes},
+          open(out, "w"))
+"""
+
+
+def run_group(size: int, tmp_path, steps: int = STEPS) -> list[dict]:
+    """Every rank of a `size`-way group as its own process (one rank alone for size 1)."""
+    segment = f"llmserving-test-tp-{uuid.uuid4().hex[:8]}"
+    if size > 1:
+        from agent.tensor_parallel import slot_floats
+
+        create_segment(segment, size, slot_floats(tiny_model_config(), 512, 16, size))
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
+                                   str(tmp_path / f"rank{size}-{r}.json"), str(steps)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(size)]
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        (SEGMENT_DIR / segment).unlink(missing_ok=True)
+    return [json.loads((tmp_path / f"rank{size}-{r}.json").read_text()) for r in range(size)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    return run_group(1, tmp_path_factory.mktemp("tp1"))[0]
+
+
+@pytest.mark.parametrize("size", [2, 4])  # 4 ranks: more ranks than the tiny model's 2 KV heads (replicated)
+def test_ranks_match_one_rank_and_the_reference(size, one_rank, tiny_weights, tmp_path):
+    ranks = run_group(size, tmp_path)
+    cfg = tiny_model_config()
+    for r in ranks:  # every rank ends each step with rank 0's tokens and logits
+        assert r["seqs"] == ranks[0]["seqs"] and r["logits"] == ranks[0]["logits"]
+    assert ranks[0]["seqs"] == one_rank["seqs"]  # greedy tokens identical
+    assert np.abs(np.array(ranks[0]["logits"]) - np.array(one_rank["logits"])).max() <= TP_TOL
+    for prompt, seq, got in zip(PROMPTS, ranks[0]["seqs"], ranks[0]["logits"]):
+        want = reference_logits(cfg, tiny_weights, seq[:-1])[len(prompt) - 1:]
+        assert np.abs(np.array(got) - want).max() <= TP_TOL
+    # each rank holds its share of the projections and of the KV pool (the embedding stays whole)
+    assert ranks[0]["kv"] * size == one_rank["kv"] * (1 if size <= cfg.num_kv_heads else size // cfg.num_kv_heads)
+    assert ranks[0]["weights"] < one_rank["weights"]
+
+
+def test_a_shape_that_does_not_split_is_refused():
+    from agent.tensor_parallel import check_shape
+
+    assert "must divide the model's 4 attention heads" in check_shape(tiny_model_config(), 3)
+    assert check_shape(tiny_model_config(), 2) is None
