@@ -225,9 +225,11 @@ def _exit_once(*_: Any) -> None:
     sys.exit(0)
 
 
-def agent_process(config_path: str | None, index: int, overrides: dict[str, Any], owner_pid: int | None = None) -> None:
-    """Spawn target: take the port, load the model for device `start_device_id + index`, then serve
-    until SIGTERM or until `owner_pid` (the launcher) is gone."""
+def agent_process(config_path: str | None, index: int, overrides: dict[str, Any], owner_pid: int | None = None,
+                  tp_segment: str | None = None) -> None:
+    """Spawn target: take the port, load the model (its rank's share with tensor_parallel_size > 1,
+    collectives through the launcher's `tp_segment`) for device `start_device_id + index`, then
+    serve until SIGTERM or until `owner_pid` (the launcher) is gone."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG", "INFO"),
                         format=f"%(asctime)s agent{index} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_once)
@@ -249,7 +251,7 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
         sys.exit(4)
     log_path = _quiet_console(port)
     try:
-        _serve(cfg, index, owner_pid)
+        _serve(cfg, index, owner_pid, tp_segment)
     except Exception as exc:  # one line on the console; the traceback goes to the log
         log.error("agent %d failed: %s: %s%s", index, type(exc).__name__, exc,
                   f" (details: {log_path})" if log_path else "")
@@ -295,12 +297,13 @@ def activation_estimate(model_cfg: Any, cfg: Any) -> int:
     return activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
 
 
-def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
+def _serve(cfg: Any, index: int, owner_pid: int | None, tp_segment: str | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     device_id = cfg.start_device_id + index
     os.environ["LLM_SERVING_DEVICE"] = cfg.device  # read by the native kernels' switch too
     os.environ["DEVICE_ID"] = str(device_id)
     from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
+    from agent.tensor_parallel import Group, slot_floats
     from agent.calibrate import CALIBRATION_TEXT
     from agent.weights import load_model
     from common.memory import plan as memory_plan
@@ -320,13 +323,21 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
                       token_buckets=cfg.token_buckets, max_running=cfg.max_running,
                       mixed_tokens=cfg.mixed_step_tokens, prefill_rows=cfg.max_prefill_rows,
                       model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                      int8_group=cfg.quant_group_size)
+                      int8_group=cfg.quant_group_size, tp=Group())
+    tp = cfg.tensor_parallel_size
+    if tp > 1:  # rank index % tp of replica index // tp
+        if tp_segment is None:
+            raise ValueError("tensor_parallel_size > 1: start the group with launch_agents or llm-serving "
+                             "(they make its collective segment)")
+        rc.tp = Group(index % tp, tp, tp_segment, slot_floats(model_cfg.hidden_size, model_cfg.vocab_size,
+                                                              cfg.token_buckets[-1], cfg.max_rows, tp))
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
                                         key=compile_cache_key(model_cfg, rc), device_id=device_id)
     log.info("device %s:%d (as MindSpore reports it)", device, device_id)
     calibration = load_tokenizer(files, cfg.tokenizer_path).encode(CALIBRATION_TEXT) if int8 else None
-    runner = ModelRunner(model_cfg, weights, rc, seed=index, calibration=calibration)
+    # The ranks of a group sample alike: one seed per replica.
+    runner = ModelRunner(model_cfg, weights, rc, seed=index // tp, calibration=calibration)
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s)", runner.model.weight_bytes / 2**20, cfg.model_dtype,
              f", int8 scale per {cfg.quant_group_size or 'row and token'}" if int8 else "")
@@ -338,7 +349,8 @@ def _serve(cfg: Any, index: int, owner_pid: int | None) -> None:
                      model_identity(cfg.model_name, files), device, device_id, cfg.model_dtype,
                      runner.model.weight_bytes, runner.model.streamed_bytes, runner.model.kv_cache_bytes,
                      runner.kv_dtype, activation_estimate(model_cfg, cfg), runner.kernel_paths,
-                     launcher_pid=owner_pid)  # a server attached to us sees whether anyone will restart us
+                     launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
+                     tp_rank=rc.tp.rank, tp_size=rc.tp.size)
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))
     server.serve()

@@ -16,11 +16,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from agent.model import LlamaConfig
+if TYPE_CHECKING:  # the launcher imports this module: no mindspore here
+    from agent.model import LlamaConfig
 
 SEGMENT_DIR = Path("/dev/shm")
 
@@ -38,10 +39,10 @@ class Group:
         return self.size > 1
 
 
-def slot_floats(cfg: LlamaConfig, max_tokens: int, max_rows: int, size: int) -> int:
+def slot_floats(hidden: int, vocab: int, max_tokens: int, max_rows: int, size: int) -> int:
     """The largest collective of a step: a step's activations [tokens, hidden], or one rank's
     logits [rows, vocab / size]."""
-    return max(max_tokens * cfg.hidden_size, max_rows * padded_vocab(cfg.vocab_size, size) // size)
+    return max(max_tokens * hidden, max_rows * padded_vocab(vocab, size) // size)
 
 
 def padded_vocab(vocab: int, size: int) -> int:
@@ -54,7 +55,8 @@ def segment_bytes(size: int, floats: int) -> int:
 
 
 def create_segment(name: str, size: int, floats: int) -> Path:
-    """The group's collective segment, zeroed (a restarted group starts from generation 0)."""
+    """The group's collective segment, zeroed. A restarted group gets a new one (a new name): a rank
+    of the old group may still map the old file."""
     path = SEGMENT_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

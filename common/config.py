@@ -34,6 +34,7 @@ class ServingConfig:
     quant_group_size: int = 64  # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 scales per row
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
+    tensor_parallel_size: int = 1  # ours: consecutive agent_ports form groups of this many ranks of one model
     agent_ip: str = "127.0.0.1"
     agent_hosts: list[str] = field(default_factory=list)  # ours: one host per agent (else agent_ip for all)
     agent_bind: str | None = None  # ours: where agents listen (launch_agents --bind), else their host
@@ -78,6 +79,12 @@ class ServingConfig:
     def bind_host(self, index: int) -> str:
         """The address agent `index` listens on."""
         return self.agent_bind or self.agent_host(index)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """Agent indexes by replica: consecutive runs of tensor_parallel_size (rank 0 first)."""
+        n = self.tensor_parallel_size
+        return [list(range(i, i + n)) for i in range(0, len(self.agent_ports), n)]
 
     @property
     def token_budget(self) -> int:
@@ -160,6 +167,9 @@ class ServingConfig:
         if len(set(zip(self.agent_hosts or [self.agent_ip] * len(self.agent_ports), self.agent_ports))) != len(
                 self.agent_ports):
             raise ConfigError(f"serving_config.agent_ports = {self.agent_ports}: each port once")
+        if len(self.agent_ports) % self.tensor_parallel_size:
+            raise ConfigError(f"serving_config.tensor_parallel_size = {self.tensor_parallel_size}: must divide the "
+                              f"{len(self.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
         if self.num_blocks and (self.num_blocks - 1) * self.block_size < self.max_model_len:
             raise ConfigError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
                               f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "

@@ -183,6 +183,11 @@ KEYS: list[Key] = [
     # ---------------------------------------------------------------- serving_config
     Key(S, "agent_ports", "agent_ports", as_ports, _port, "a non-empty list of ports in [1, 65535]", "one agent per port",
         "same; several ports = data-parallel replicas"),
+    Key(S, "tensor_parallel_size", "tensor_parallel_size", as_int, lambda v: v >= 1, ">= 1 (and divide the number of agent_ports)",
+        here="ours: consecutive `agent_ports` form groups of this many ranks of one model (the original's multi-port "
+             "deployment): 4 ports at size 2 are 2 replicas of 2 ranks. Each rank holds its share of the heads, FFN "
+             "columns, vocabulary and KV pool; every command goes to every rank; rank 0 replies. A rank that dies "
+             "restarts its group"),
     Key(S, "agent_ip", "agent_ip", str, original="where agents listen", here="same: `127.0.0.1` = ipc + shared memory, else tcp"),
     Key(S, "start_device_id", "start_device_id", as_int, lambda v: v >= 0, ">= 0", "device of agent 0",
         "same: agent i calls `mindspore.set_device(device, start_device_id + i)` and reports the target and id "

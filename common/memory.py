@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,12 @@ class ModelShape:
         """Projection weights of one layer: Q|K|V, O, gate|up, down."""
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
         return qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.inter
+
+    def rank(self, tp: int) -> "ModelShape":
+        """One tensor-parallel rank's share (agent/tensor_parallel.py): its heads, KV heads (at least
+        one), FFN columns; the vocabulary stays whole here (the embedding is), `weight_bytes` splits
+        the LM head."""
+        return replace(self, heads=self.heads // tp, kv_heads=max(1, self.kv_heads // tp), inter=self.inter // tp)
 
 
 def model_shape(files: ModelFiles) -> ModelShape:
@@ -103,7 +109,7 @@ def parse_bytes(value: Any) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def weight_bytes(s: ModelShape, dtype: str) -> int:
+def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
     """The weights as agent.layers stores them (one copy each, on every path): projections and LM
     head in `dtype` (int8: plus a float32 scale per 64 inputs; float formats: each width padded to
     the kernels' 64-column blocks), the embedding and rope tables in float32."""
@@ -111,7 +117,7 @@ def weight_bytes(s: ModelShape, dtype: str) -> int:
     pad = (lambda n: n) if dtype == "int8" else (lambda n: -(-n // 64) * 64)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     layer = s.hidden * (pad(q + 2 * kv) + pad(2 * s.inter)) + (q + s.inter) * pad(s.hidden)
-    head = s.hidden * pad(s.vocab)
+    head = s.hidden * pad(-(-s.vocab // tp))  # a rank's vocabulary shard
     return int((s.layers * layer + head) * per + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
 
 
@@ -211,8 +217,9 @@ def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available:
 def plan(cfg: Any, files: ModelFiles, agents: int) -> MemoryPlan:
     """The memory plan of `cfg` with `agents` agents on this host; resolves `num_blocks: auto` (0)
     into cfg.num_blocks."""
-    shape = model_shape(files)
-    weights = weight_bytes(shape, cfg.model_dtype)
+    tp = getattr(cfg, "tensor_parallel_size", 1)
+    shape = model_shape(files).rank(tp)  # per agent: one rank's share
+    weights = weight_bytes(shape, cfg.model_dtype, tp)
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
     available = available_bytes()
     if not cfg.num_blocks:

@@ -10,13 +10,14 @@ from typing import Any, Callable
 
 from common.config import ServingConfig
 from common.model_files import model_identity, resolve_model
-from llm_serving.launch import AgentStartError, respawn_agent, start_agents, stop_agents
+from llm_serving.launch import AgentStartError, respawn_group, start_agents, stop_agents
 from server.engine.engine import Engine
 from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
 from shm.arena import ArenaSpec
 from shm.curve import CurveKeyError, KeyFolder
 from shm.endpoint import agent_address, holder, is_local
+from shm.group import GroupClient
 from shm.transport import AgentClient, AgentDead, AgentError
 
 log = logging.getLogger("llm_serving")
@@ -41,14 +42,15 @@ def _agent_pid(port: int, wait_s: float) -> int:
 
 
 def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 600.0,
-                  reset: bool = False, wait_s: float = 0.0) -> AgentClient:
+                  reset: bool = False, wait_s: float = 0.0, lead: AgentClient | None = None) -> AgentClient:
     """Attach to agent `index` (waiting while it loads); `reset` first detaches any other server;
-    `wait_s`: how long a local agent may take to appear (its launcher restarting it)."""
+    `wait_s`: how long a local agent may take to appear (its launcher restarting it); `lead`: its
+    group's rank 0, whose arena it reads. Checks that it is the rank of the group it should be."""
     port = cfg.agent_ports[index]
     host = cfg.agent_host(index)
     pid = _agent_pid(port, wait_s) if is_local(host) else None
     client = AgentClient(agent_address(port, host), arena_spec(cfg), tag=tag, pid=pid,
-                         curve=KeyFolder.find(cfg.curve_keys))
+                         curve=KeyFolder.find(cfg.curve_keys), lead=lead)
     try:
         if reset:
             client.call(P.RESET, timeout_s=timeout_s)
@@ -56,6 +58,11 @@ def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 6
                                                                                            cfg.model_cfg_path)), timeout_s)
         if not cfg.num_blocks:  # num_blocks: auto, attached: the agents sized the pool (0 matches any)
             cfg.num_blocks = int(info.geometry["num_blocks"])
+        want = (index % cfg.tensor_parallel_size, cfg.tensor_parallel_size)
+        if (info.tp_rank, info.tp_size) != want:
+            raise AttachError(f"agent on port {port} is tensor-parallel rank {info.tp_rank} of {info.tp_size}, not "
+                              f"rank {want[0]} of {want[1]}: start the agents from the same config "
+                              "(serving_config.tensor_parallel_size)")
     except AgentError as exc:
         client.close(detach=False)
         raise AttachError(f"agent on port {port} refused: {exc}") from None
@@ -68,11 +75,27 @@ def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 6
     return client
 
 
-def connect_agents(cfg: ServingConfig, reset: bool = False) -> list[AgentClient]:
-    clients: list[AgentClient] = []
+def connect_replica(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 600.0, reset: bool = False,
+                    wait_s: float = 0.0) -> AgentClient | GroupClient:
+    """Attach to replica `index`: its one agent, or every rank of its tensor-parallel group."""
+    ranks: list[AgentClient] = []
     try:
-        for i in range(len(cfg.agent_ports)):
-            clients.append(connect_agent(cfg, i, f"agent{i}", reset=reset))
+        for r, i in enumerate(cfg.groups[index]):
+            ranks.append(connect_agent(cfg, i, f"{tag}" if r == 0 else f"{tag}r{r}", timeout_s, reset, wait_s,
+                                       ranks[0] if ranks else None))
+    except BaseException:
+        for c in reversed(ranks):
+            c.close(detach=True)
+        raise
+    return ranks[0] if len(ranks) == 1 else GroupClient(ranks)
+
+
+def connect_agents(cfg: ServingConfig, reset: bool = False) -> list[AgentClient | GroupClient]:
+    """One client per replica (a GroupClient for tensor-parallel ranks)."""
+    clients: list[AgentClient | GroupClient] = []
+    try:
+        for i in range(len(cfg.groups)):
+            clients.append(connect_replica(cfg, i, f"agent{i}", reset=reset))
     except BaseException:
         for c in clients:
             c.close(detach=True)
@@ -99,11 +122,11 @@ def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any],
     server holds it the attach fails (and is retried), it is never killed."""
     generation = itertools.count(1)
 
-    def restart(index: int, reattach: bool = False) -> AgentClient:
-        if procs and not (reattach and procs[index].is_alive()):
-            respawn_agent(cfg, config_path, overrides, procs, index)
-        return connect_agent(cfg, index, f"agent{index}r{next(generation)}", timeout_s=cfg.recovery_deadline_s,
-                             wait_s=cfg.recovery_deadline_s)
+    def restart(index: int, reattach: bool = False) -> AgentClient | GroupClient:
+        if procs and not (reattach and all(procs[i].is_alive() for i in cfg.groups[index])):
+            respawn_group(cfg, config_path, overrides, procs, index)
+        return connect_replica(cfg, index, f"agent{index}g{next(generation)}", timeout_s=cfg.recovery_deadline_s,
+                               wait_s=cfg.recovery_deadline_s)
 
     return restart
 

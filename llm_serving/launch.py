@@ -8,6 +8,7 @@ Readiness is a heartbeat answered over the agent's own socket, not log polling.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import multiprocessing as mp
 import signal
@@ -21,12 +22,12 @@ import zmq
 
 from agent.logits_dump import ENV_DIR, ENV_EVERY
 from common.config import ConfigError, ServingConfig, load_config
-from common.memory import MemoryPlan, gib
+from common.memory import MemoryPlan, gib, model_shape
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
 from common.procs import Backoff, stopped
 from shm import protocol as P
-from shm.arena import clean_stale_segments
+from shm.arena import clean_stale_segments, segment_name
 from shm.curve import INSECURE_ENV, CurveKeyError, KeyFolder, exposure
 from shm.endpoint import PortInUse, agent_address, clean_stale_endpoints, dial_host, holder, is_local
 
@@ -90,14 +91,39 @@ def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = N
         sock.close(0)
 
 
-def spawn_agent(config_path: str | None, index: int, overrides: dict[str, Any]) -> mp.process.BaseProcess:
+def spawn_agent(config_path: str | None, index: int, overrides: dict[str, Any],
+                tp_segment: str | None = None) -> mp.process.BaseProcess:
     """Spawn (never fork: MindSpore hangs in a forked child) agent `index`."""
     from agent.main import agent_process
 
-    proc = mp.get_context("spawn").Process(target=agent_process, args=(config_path, index, overrides, os.getpid()),
-                                           name=f"agent{index}", daemon=True)
+    proc = mp.get_context("spawn").Process(target=agent_process, name=f"agent{index}", daemon=True,
+                                           args=(config_path, index, overrides, os.getpid(), tp_segment))
     proc.start()
+    proc.tp_segment = tp_segment  # type: ignore[attr-defined]  (unlinked when its group stops)
     return proc
+
+
+_epochs = itertools.count()
+
+
+def group_segment(cfg: ServingConfig, group: list[int]) -> str | None:
+    """A fresh collective segment for a tensor-parallel group (None for one rank): named by this
+    launcher's pid, so a dead launcher's are cleaned like stale arenas, and new at every (re)start."""
+    if len(group) == 1:
+        return None
+    from agent.tensor_parallel import create_segment, slot_floats
+
+    shape = model_shape(resolve_model(cfg.model_path, cfg.model_cfg_path))
+    name = segment_name(f"tp{cfg.agent_ports[group[0]]}x{next(_epochs)}")
+    create_segment(name, len(group), slot_floats(shape.hidden, shape.vocab, cfg.token_buckets[-1], cfg.max_rows,
+                                                 len(group)))
+    return name
+
+
+def spawn_group(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
+                group: list[int]) -> list[mp.process.BaseProcess]:
+    segment = group_segment(cfg, group)
+    return [spawn_agent(config_path, i, overrides, segment) for i in group]
 
 
 def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
@@ -122,7 +148,7 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
             pid = holder(port)
             if pid is not None:
                 raise AgentStartError(str(PortInUse(port, pid)))
-    procs = [spawn_agent(config_path, i, overrides) for i in range(len(cfg.agent_ports))]
+    procs = [p for group in cfg.groups for p in spawn_group(cfg, config_path, overrides, group)]
     try:
         for i, proc in enumerate(procs):
             ping(agent_address(cfg.agent_ports[i], dial_host(cfg.bind_host(i))), ready_timeout_s, proc, keys)
@@ -146,18 +172,32 @@ def check_memory(cfg: ServingConfig, overrides: dict[str, Any]) -> MemoryPlan:
     return p
 
 
-def respawn_agent(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
+def respawn_group(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
                   procs: list[mp.process.BaseProcess], index: int) -> None:
-    """Replace agent `index` (dead or stuck: it is killed and reaped first) and wait until it answers."""
-    old = procs[index]
-    if old.is_alive():
-        old.kill()
-    old.join(5.0)
+    """Replace replica `index`, every rank of it (dead or stuck: killed and reaped first; a rank
+    alone cannot rejoin its group's collectives), and wait until each answers."""
+    group = cfg.groups[index]
+    for i in group:
+        if procs[i].is_alive():
+            procs[i].kill()
+    for i in group:
+        procs[i].join(5.0)
+    _unlink_segments([procs[group[0]]])
     clean_stale_endpoints()  # a killed agent leaves its socket and lock files behind
-    procs[index] = spawn_agent(config_path, index, overrides)
-    ping(agent_address(cfg.agent_ports[index], dial_host(cfg.bind_host(index))), READY_TIMEOUT_S, procs[index],
-         KeyFolder.find(cfg.curve_keys))
-    log.info("agent %d restarted (pid %d)", index, procs[index].pid)
+    for i, proc in zip(group, spawn_group(cfg, config_path, overrides, group)):
+        procs[i] = proc
+    for i in group:
+        ping(agent_address(cfg.agent_ports[i], dial_host(cfg.bind_host(i))), READY_TIMEOUT_S, procs[i],
+             KeyFolder.find(cfg.curve_keys))
+        log.info("agent %d restarted (pid %d)", i, procs[i].pid)
+
+
+def _unlink_segments(procs: list[mp.process.BaseProcess]) -> None:
+    from agent.tensor_parallel import SEGMENT_DIR
+
+    for p in procs:
+        if getattr(p, "tp_segment", None):
+            (SEGMENT_DIR / p.tp_segment).unlink(missing_ok=True)
 
 
 def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
@@ -171,6 +211,7 @@ def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> No
             p.kill()
             p.join(1.0)
     if procs:
+        _unlink_segments(procs)
         clean_stale_endpoints()
         clean_stale_segments()  # arenas of servers killed while attached
 
@@ -223,14 +264,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def supervise(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
               procs: list[mp.process.BaseProcess]) -> int:
-    """Restart agents that exit (a crash, or a runtime failure) with the server's backoff; give up on
-    an agent that dies `max_agent_restarts` times in a row, each within STABLE_S of its restart."""
-    backoff = [Backoff(cfg.max_agent_restarts) for _ in procs]
-    started = [time.monotonic()] * len(procs)
+    """Restart replicas one of whose agents exits (a crash, or a runtime failure) with the server's
+    backoff; give up on one that dies `max_agent_restarts` times in a row, each within STABLE_S of
+    its restart."""
+    backoff = [Backoff(cfg.max_agent_restarts) for _ in cfg.groups]
+    started = [time.monotonic()] * len(cfg.groups)
     while True:
         time.sleep(0.5)
-        for i, proc in enumerate(procs):
-            if proc.is_alive():
+        for i, group in enumerate(cfg.groups):
+            proc = next((procs[a] for a in group if not procs[a].is_alive()), None)
+            if proc is None:
                 continue
             if time.monotonic() - started[i] >= STABLE_S:
                 backoff[i].reset()
@@ -244,7 +287,7 @@ def supervise(cfg: ServingConfig, config_path: str | None, overrides: dict[str, 
                         backoff[i].limit)
             time.sleep(delay)
             try:
-                respawn_agent(cfg, config_path, overrides, procs, i)
+                respawn_group(cfg, config_path, overrides, procs, i)
             except AgentStartError as exc:
                 log.error("%s", exc)
             started[i] = time.monotonic()

@@ -38,6 +38,8 @@ class AgentInfo(Wire):
     activation_bytes: int = 0
     kernels: str = ""  # the path the projections take on this CPU
     launcher_pid: int | None = None  # whoever restarts this agent (None: nobody)
+    tp_rank: int = 0  # its rank in its model's tensor-parallel group
+    tp_size: int = 1
     # Filled per reply:
     pid: int = 0
     attached: bool = False

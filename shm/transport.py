@@ -56,9 +56,11 @@ class AgentClient:
     """Server-side handle of one agent. Not thread-safe: one engine thread owns it."""
 
     def __init__(self, address: str, spec: ArenaSpec, tag: str, pid: int | None = None,
-                 curve: KeyFolder | None = None):
+                 curve: KeyFolder | None = None, lead: "AgentClient | None" = None):
         """`pid`: the local agent's process if known before the handshake (its port lock's holder),
-        so a wait for an agent that dies while loading ends at once. `curve`: keys for a tcp agent."""
+        so a wait for an agent that dies while loading ends at once. `curve`: keys for a tcp agent.
+        `lead`: the client whose arena this agent reads too and whose outputs it leaves alone (a
+        tensor-parallel rank > 0: shm/group.py)."""
         self.address, self.spec = address, spec
         self.local = address.startswith("ipc://")
         self.ctx = zmq.Context.instance()
@@ -71,9 +73,10 @@ class AgentClient:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.sock.connect(address)
         self.segment: Segment | None = None
+        self.owns_segment = lead is None
         if self.local:
-            self.segment = Segment(segment_name(tag), spec.size, create=True)
-        self.arenas = Arena.slots(spec, self.segment.buf if self.segment else None)
+            self.segment = lead.segment if lead else Segment(segment_name(tag), spec.size, create=True)
+        self.arenas = lead.arenas if lead else Arena.slots(spec, self.segment.buf if self.segment else None)
         self.pid = pid
         self.info: AgentInfo | None = None  # from the handshake
         self._msg_id = 0
@@ -180,7 +183,7 @@ class AgentClient:
         if reply is None:
             return None
         body, frames = reply
-        if not self.local:
+        if not self.local and self.owns_segment:  # a group's rank > 0 leaves its lead's outputs alone
             self.arenas[head.slot].load_outputs(head.dims.n_rows, frames)
         return StepReply.from_wire(body)
 
@@ -211,7 +214,7 @@ class AgentClient:
         self.monitor.close(0)
         self.sock.close(0)
         self.arenas = []  # drop numpy views before unmapping
-        if self.segment is not None:
+        if self.segment is not None and self.owns_segment:
             self.segment.close()
 
 

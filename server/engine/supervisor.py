@@ -129,7 +129,7 @@ class Supervisor:
 
     def _await_launcher(self, lane: AgentLane) -> None:
         """Re-attach an orphaned lane once a new agent holds its port (launch_agents started again)."""
-        port, old = self.cfg.agent_ports[lane.index], lane.client.pid
+        port, old = self.cfg.agent_ports[self.cfg.groups[lane.index][0]], lane.client.pid  # its rank 0's
 
         def stopped_first() -> bool:
             while holder(port) in (None, old):  # the orphan itself may hold the port a moment longer

@@ -32,7 +32,7 @@ from tests.reference import random_weights
 rank, size, segment, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 cfg = tiny_model_config()
 setup_mindspore()
-group = Group(rank, size, segment, slot_floats(cfg, 512, 16, size)) if size > 1 else Group()
+group = Group(rank, size, segment, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size)) if size > 1 else Group()
 rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=TOKEN_BUCKETS, max_running=16, tp=group)
 runner = ModelRunner(cfg, random_weights(cfg, seed=0), rc)
 runner.warmup()
@@ -67,7 +67,8 @@ def run_group(size: int, tmp_path, steps: int = STEPS) -> list[dict]:
     if size > 1:
         from agent.tensor_parallel import slot_floats
 
-        create_segment(segment, size, slot_floats(tiny_model_config(), 512, 16, size))
+        cfg = tiny_model_config()
+        create_segment(segment, size, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size))
     try:
         procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
                                    str(tmp_path / f"rank{size}-{r}.json"), str(steps)], cwd=ROOT,
