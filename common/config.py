@@ -170,6 +170,9 @@ class ServingConfig:
         if len(self.agent_ports) % self.tensor_parallel_size:
             raise ConfigError(f"serving_config.tensor_parallel_size = {self.tensor_parallel_size}: must divide the "
                               f"{len(self.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
+        if self.tensor_parallel_size > 1 and self.model_dtype == "int8":
+            raise ConfigError(f"serving_config.tensor_parallel_size = {self.tensor_parallel_size} with model_dtype int8: "
+                              "tensor parallelism runs float32, bfloat16 or float16 weights")
         if self.num_blocks and (self.num_blocks - 1) * self.block_size < self.max_model_len:
             raise ConfigError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
                               f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
@@ -207,6 +210,27 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return doc or {}
 
 
+def _ge_graphs(section: Any, c: ServingConfig, sections: dict[str, dict[str, Any]]) -> None:
+    """The original GE backend's `model_path` section: MindIR graphs per rank (`prefill_model`,
+    `decode_model`, one per agent port: the ranks of one model). They are Ascend-compiled graphs,
+    not weights: the same model is served from its weights (model_cfg_path or model_path) as that
+    many tensor-parallel ranks; without weights, or with another rank count, the config is refused."""
+    graphs = section.get("prefill_model") if isinstance(section, dict) else None
+    ranks = len(graphs) if isinstance(graphs, list) else 1
+    mc = sections["model_config"]
+    if not (mc.get("model_cfg_path") or mc.get("model_path")):
+        raise ConfigError("model_path: the GE backend's MindIR graphs cannot be served here (they are Ascend-compiled "
+                          "graphs, not weights); set model_config.model_cfg_path (the MindFormers yaml naming the "
+                          "checkpoint) or model_config.model_path to serve the same model")
+    if len(c.agent_ports) % ranks:
+        raise ConfigError(f"model_path: {ranks} graphs per kind (ranks) for {len(c.agent_ports)} agent_ports: "
+                          "each port must be one rank of a model")
+    if "tensor_parallel_size" not in sections["serving_config"]:
+        c.tensor_parallel_size = ranks
+    c.notices.append(f"model_path: the GE graphs are not used; the model's weights are served as "
+                     f"{c.tensor_parallel_size} tensor-parallel rank(s) per replica")
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
     """The serving config of a YAML file (None: the defaults), with `overrides` by attribute.
     Raises ConfigError with one line naming the key, its value and what is allowed."""
@@ -225,6 +249,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
             raise ConfigError(f"{k.name} = {value!r}: must be {WHAT.get(k.read, 'a list of integers')}") from None
     if c.kv_cache_memory and "num_blocks" not in sections["pa_config"]:  # it sizes the pool: num_blocks auto
         c.num_blocks = 0
+    if "model_path" in doc:
+        _ge_graphs(doc["model_path"], c, sections)
     c.device = os.environ.get("LLM_SERVING_DEVICE") or c.device
     for key, value in overrides.items():
         if value is not None:

@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import mindspore  # noqa: F401  (before any protobuf user, as the agents do: its generated code needs it first)
 import numpy as np
 import pytest
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
 
 from server.block_manager import BlockManager
 from common.config import ServingConfig
@@ -282,6 +283,25 @@ def test_a_config_key_is_one_row_of_the_table(tmp_path):
     path.write_text("serving_config:\n  agent_hosts: localhost\n")
     with pytest.raises(ConfigError, match="agent_hosts = 'localhost': must be a list of hosts"):
         load_config(path)
+
+
+def test_an_original_ge_yaml_is_served_as_its_ranks_or_refused(tmp_path):
+    """The GE backend's `model_path` section (MindIR graphs per rank, one per port) maps to that many
+    tensor-parallel ranks of the model's weights; without weights it is refused, never another model."""
+    from common.config import ConfigError, load_config
+
+    ge = {"model_path": {"prefill_model": [f"/g/prefill_rank{r}.mindir" for r in range(4)],
+                         "decode_model": [f"/g/decode_rank{r}.mindir" for r in range(4)]},
+          "serving_config": {"agent_ports": [61166, 61167, 61168, 61169]}}
+    path = tmp_path / "ge.yaml"
+    path.write_text(yaml.safe_dump({**ge, "model_config": {"model_cfg_path": "/m/predict_llama2_70b.yaml"}}))
+    cfg = load_config(path)
+    assert cfg.groups == [[0, 1, 2, 3]] and not any("unknown section" in n for n in cfg.notices)
+    path.write_text(yaml.safe_dump({**ge, "model_config": {"model_name": "llama_70b"}}))
+    with pytest.raises(ConfigError, match="MindIR graphs cannot be served here"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="must divide the 3 agent_ports"):
+        load_config(None, agent_ports=[1, 2, 3], tensor_parallel_size=2)
 
 
 def test_shipped_configs_need_no_warning():
