@@ -21,7 +21,7 @@ from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
 from agent.layers import Backend
 from agent.model import LlamaConfig, LlamaModel
-from agent.tensor_parallel import Group, ShardedWeights, check_shape, open_group, rank_config
+from agent.tensor_parallel import Group, shard
 from agent.sampling import needs_penalty, sample
 from common.memory import kv_dtype_for
 from shm.step import SamplingColumns, StepInputs, StepView
@@ -140,13 +140,7 @@ class ModelRunner:
                           rc.int8_group, ranges, rc.tp.size)
         self.kv_dtype = backend.kv_dtype
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype)
-        shard_cfg = model_cfg
-        if rc.tp.parallel:  # this rank's heads, FFN columns and vocabulary (the collectives need `lib`)
-            why = check_shape(model_cfg, rc.tp.size)
-            if why:
-                raise ValueError(why)
-            open_group(lib, rc.tp)
-            weights, shard_cfg = ShardedWeights(weights, model_cfg, rc.tp.rank, rc.tp.size), rank_config(model_cfg, rc.tp.size)
+        shard_cfg, weights = shard(model_cfg, weights, rc.tp, lib)  # tensor parallel: this rank's share
         self.model = LlamaModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties

@@ -74,6 +74,17 @@ def open_group(lib: str, group: Group) -> None:
         raise RuntimeError(f"tensor-parallel segment {group.segment}: cannot map it (code {rc})")
 
 
+def shard(cfg: LlamaConfig, weights: Mapping, group: Group, lib: str) -> tuple[LlamaConfig, Mapping]:
+    """The model and weights of this rank, its group's segment mapped (size 1: as they are)."""
+    if not group.parallel:
+        return cfg, weights
+    why = check_shape(cfg, group.size)
+    if why:
+        raise ValueError(why)
+    open_group(lib, group)
+    return rank_config(cfg, group.size), ShardedWeights(weights, cfg, group.rank, group.size)
+
+
 def check_shape(cfg: LlamaConfig, size: int) -> str | None:
     """Why `cfg` cannot be split `size` ways, or None."""
     kv_split = cfg.num_kv_heads % size == 0 or size % cfg.num_kv_heads == 0

@@ -161,28 +161,33 @@ class ServingConfig:
             items = value if isinstance(value, list) else [value]
             if not items or not all(k.check(v) for v in items):
                 raise ConfigError(f"{k.name} = {value!r}: must be {k.allowed}")
-        if self.agent_hosts and len(self.agent_hosts) != len(self.agent_ports):
-            raise ConfigError(f"serving_config.agent_hosts = {self.agent_hosts}: one host per agent_ports entry "
-                              f"({len(self.agent_ports)})")
-        if len(set(zip(self.agent_hosts or [self.agent_ip] * len(self.agent_ports), self.agent_ports))) != len(
-                self.agent_ports):
-            raise ConfigError(f"serving_config.agent_ports = {self.agent_ports}: each port once")
-        if len(self.agent_ports) % self.tensor_parallel_size:
-            raise ConfigError(f"serving_config.tensor_parallel_size = {self.tensor_parallel_size}: must divide the "
-                              f"{len(self.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
-        if self.tensor_parallel_size > 1 and self.model_dtype == "int8":
-            raise ConfigError(f"serving_config.tensor_parallel_size = {self.tensor_parallel_size} with model_dtype int8: "
-                              "tensor parallelism runs float32, bfloat16 or float16 weights")
-        if self.num_blocks and (self.num_blocks - 1) * self.block_size < self.max_model_len:
-            raise ConfigError(f"pa_config: {self.num_blocks - 1} usable blocks x block_size {self.block_size} hold "
-                              f"{(self.num_blocks - 1) * self.block_size} tokens, less than one sequence of "
-                              f"decode_seq_length {self.max_model_len} (block 0 is reserved); need num_blocks >= "
-                              f"{-(-self.max_model_len // self.block_size) + 1}")
+        _check_together(self)
         return self
 
 
 class ConfigError(ValueError):
     """A config that cannot be served: one line naming the key, its value and what is allowed."""
+
+
+def _check_together(c: ServingConfig) -> None:
+    """What no one key's range says: ports and hosts, groups, the pool against one sequence."""
+    if c.agent_hosts and len(c.agent_hosts) != len(c.agent_ports):
+        raise ConfigError(f"serving_config.agent_hosts = {c.agent_hosts}: one host per agent_ports entry "
+                          f"({len(c.agent_ports)})")
+    if len(set(zip(c.agent_hosts or [c.agent_ip] * len(c.agent_ports), c.agent_ports))) != len(
+            c.agent_ports):
+        raise ConfigError(f"serving_config.agent_ports = {c.agent_ports}: each port once")
+    if len(c.agent_ports) % c.tensor_parallel_size:
+        raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size}: must divide the "
+                          f"{len(c.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
+    if c.tensor_parallel_size > 1 and c.model_dtype == "int8":
+        raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype int8: "
+                          "tensor parallelism runs float32, bfloat16 or float16 weights")
+    if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:
+        raise ConfigError(f"pa_config: {c.num_blocks - 1} usable blocks x block_size {c.block_size} hold "
+                          f"{(c.num_blocks - 1) * c.block_size} tokens, less than one sequence of "
+                          f"decode_seq_length {c.max_model_len} (block 0 is reserved); need num_blocks >= "
+                          f"{-(-c.max_model_len // c.block_size) + 1}")
 
 
 def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:

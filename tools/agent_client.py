@@ -1,4 +1,5 @@
-"""A standalone socket-level client of one agent: the protocol's executable example (docs/protocol.md).
+"""A standalone socket-level client of one agent, or of one tensor-parallel group: the protocol's
+executable example (docs/protocol.md).
 
     python tools/agent_client.py --config configs/smollm2.yaml --prompt "The capital of France is" --max-tokens 16
 
@@ -7,7 +8,8 @@ steps (chunks of at most the agent's largest token bucket), then one `a` step pe
 greedy sampling (its row is *fed*: the agent takes the token it sampled last), prints the text, the token ids and each step's timings, and detaches (`e`), leaving
 the agent free for the next server. Uses shm/ for the protocol and common/ for the YAML; of the
 server only its tokenizer. KV blocks are this client's to assign: it takes 1, 2, ... (block 0 is
-reserved for padding writes).
+reserved for padding writes). With `serving_config.tensor_parallel_size` n > 1 it talks to the n
+ranks whose rank 0 is `--port` (by the YAML's agent_ports) as one model (shm/group.py): the same commands to each, rank 0's replies.
 """
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ from shm import protocol as P  # noqa: E402
 from shm.arena import ArenaSpec  # noqa: E402
 from shm.endpoint import agent_address, holder, is_local  # noqa: E402
 from shm.step import RowInput, SamplingColumns, read_row  # noqa: E402
+from shm.group import GroupClient  # noqa: E402
 from shm.transport import AgentClient, AgentError  # noqa: E402
 
 SEQ_ID = 1
 
 
-def generate(client: AgentClient, prompt: list[int], max_tokens: int, chunk: int, block_size: int,
+def generate(client: AgentClient | GroupClient, prompt: list[int], max_tokens: int, chunk: int, block_size: int,
              stop_ids: set[int]) -> tuple[list[int], list[dict]]:
     """Greedy generation on an attached agent; returns the new token ids and per-step timings."""
     blocks = list(range(1, 1 + -(-(len(prompt) + max_tokens) // block_size)))
@@ -50,7 +53,7 @@ def generate(client: AgentClient, prompt: list[int], max_tokens: int, chunk: int
         row = RowInput(SEQ_ID, np.asarray(toks, np.int32), fed, blocks, last, greedy, len(prompt), len(out),
                        feed=cmd == "a")
         t0 = time.perf_counter()
-        client.send_step(client.arena.write_step([row], block_size), free=[], has_prefill=cmd == "*")
+        client.send_step(client.arenas[0].write_step([row], block_size), free=[], has_prefill=cmd == "*")
         body = client.poll_step(600)
         if body is None:
             raise TimeoutError("no reply within 600 s")
@@ -58,7 +61,7 @@ def generate(client: AgentClient, prompt: list[int], max_tokens: int, chunk: int
                       "model_ms": round(body.model_s * 1e3, 2)})
         fed += len(toks)
         if last:
-            token = read_row(client.arena.full.outputs, 0, 0).token
+            token = read_row(client.arenas[0].full.outputs, 0, 0).token
             out.append(token)
             if token in stop_ids:
                 break
@@ -82,16 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tok.encode(args.prompt)
     if len(prompt) + args.max_tokens > cfg.max_model_len:
         ap.error(f"prompt ({len(prompt)} tokens) + max tokens exceed decode_seq_length {cfg.max_model_len}")
-    pid = holder(port) if is_local(cfg.agent_ip) else None
-    if is_local(cfg.agent_ip) and pid is None:
-        print(f"no agent on port {port}", file=sys.stderr)
+    tp = cfg.tensor_parallel_size  # the group whose rank 0 is --port, by the YAML's agent_ports
+    ports = cfg.agent_ports[cfg.agent_ports.index(port):][:tp] if tp > 1 and port in cfg.agent_ports else [port]
+    pids = [holder(p) if is_local(cfg.agent_ip) else None for p in ports]
+    if is_local(cfg.agent_ip) and None in pids:
+        print(f"no agent on port {ports[pids.index(None)]}", file=sys.stderr)
         return 1
     chunk = cfg.token_buckets[-1]
-    client = AgentClient(agent_address(port, cfg.agent_ip), ArenaSpec(chunk, 1, cfg.max_blocks_per_seq), "client", pid)
+    ranks: list[AgentClient] = []
+    for r, (p, pid) in enumerate(zip(ports, pids)):  # ranks > 0 read rank 0's arena
+        ranks.append(AgentClient(agent_address(p, cfg.agent_ip), ArenaSpec(chunk, 1, cfg.max_blocks_per_seq),
+                                 f"client{r}", pid, lead=ranks[0] if ranks else None))
+    client = ranks[0] if len(ranks) == 1 else GroupClient(ranks)
     try:
         if args.reset:
             client.call(P.RESET)
-        info = client.handshake(cfg.geometry, model_identity(cfg.model_name, files), timeout_s=600)
+        info = [r.handshake(cfg.geometry, model_identity(cfg.model_name, files), timeout_s=600) for r in ranks][0]
         stop = set() if args.ignore_eos else set(info.eos_token_ids)
         ids, steps = generate(client, prompt, args.max_tokens, chunk, cfg.block_size, stop)
     except (AgentError, TimeoutError) as exc:

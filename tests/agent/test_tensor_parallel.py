@@ -18,6 +18,7 @@ from tests.helpers import ROOT
 from tests.reference import reference_logits
 
 TP_TOL = 1e-4  # fp32: a rank's partial sums and the all-reduce's order against one rank and float64
+SMOLLM2_TP_TOL = 1e-4
 STEPS = 10
 
 _RANK = """
@@ -29,12 +30,20 @@ from tests.agent.test_model_runner import PROMPTS, TOKEN_BUCKETS, PagedDriver
 from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 
-rank, size, segment, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-cfg = tiny_model_config()
+rank, size, segment, out, steps, model = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                          int(sys.argv[5]), sys.argv[6])
+if model == "tiny":
+    cfg = tiny_model_config()
+    weights, buckets = random_weights(cfg, seed=0), TOKEN_BUCKETS
+else:
+    from agent.weights import load_model
+    from common.model_files import resolve_model
+    cfg, weights = load_model(resolve_model(model), max_position=128)
+    buckets = [4, 64]
 setup_mindspore()
 group = Group(rank, size, segment, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size)) if size > 1 else Group()
-rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=TOKEN_BUCKETS, max_running=16, tp=group)
-runner = ModelRunner(cfg, random_weights(cfg, seed=0), rc)
+rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=buckets, max_running=16, tp=group)
+runner = ModelRunner(cfg, weights, rc)
 runner.warmup()
 
 
@@ -61,17 +70,17 @@ json.dump({"seqs": seqs, "logits": logits, "kv": runner.model.kv_cache_bytes, "w
 """
 
 
-def run_group(size: int, tmp_path, steps: int = STEPS) -> list[dict]:
+def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny") -> list[dict]:
     """Every rank of a `size`-way group as its own process (one rank alone for size 1)."""
     segment = f"llmserving-test-tp-{uuid.uuid4().hex[:8]}"
     if size > 1:
         from agent.tensor_parallel import slot_floats
 
-        cfg = tiny_model_config()
-        create_segment(segment, size, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size))
+        hidden, vocab = (64, 272) if model == "tiny" else (576, 49152)
+        create_segment(segment, size, slot_floats(hidden, vocab, 512, 16, size))
     try:
         procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
-                                   str(tmp_path / f"rank{size}-{r}.json"), str(steps)], cwd=ROOT,
+                                   str(tmp_path / f"rank{size}-{r}.json"), str(steps), model], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(size)]
         for p in procs:
@@ -108,3 +117,12 @@ def test_a_shape_that_does_not_split_is_refused():
 
     assert "must divide the model's 4 attention heads" in check_shape(tiny_model_config(), 3)
     assert check_shape(tiny_model_config(), 2) is None
+
+
+def test_smollm2_in_three_ranks_matches_one_rank(tmp_path):
+    """9 heads and 3 KV heads: one KV head per rank; the vocabulary splits 3 x 16384."""
+    one = run_group(1, tmp_path, steps=4, model="smollm2")[0]
+    three = run_group(3, tmp_path, steps=4, model="smollm2")
+    assert all(r["seqs"] == three[0]["seqs"] for r in three)
+    assert three[0]["seqs"] == one["seqs"]
+    assert np.abs(np.array(three[0]["logits"]) - np.array(one["logits"])).max() <= SMOLLM2_TP_TOL

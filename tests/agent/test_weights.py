@@ -13,6 +13,7 @@ from tests.conftest import TINY
 from tests.helpers import ROOT, save_mindformers
 from tools.export_model import permute_qk
 
+
 def test_mindformers_checkpoint_loads_by_name_mapping(tmp_path, tiny_weights):
     ckpt, cfg_yaml = save_mindformers(tmp_path, tiny_weights)
     cfg, w = load_model(ModelFiles("mindformers", ckpt, cfg_yaml))
@@ -114,6 +115,7 @@ def test_mindformers_base_config_chains_resolve_without_the_extra(tmp_path):
 
 _LOAD_CHILD = """
 import sys
+from pathlib import Path
 import mindspore  # noqa: F401  (its runtime is part of the final RSS, not of loading)
 from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
 from agent.weights import load_model

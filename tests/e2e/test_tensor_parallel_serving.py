@@ -3,12 +3,14 @@
 reference, a killed rank brings its whole group back, and several groups serve as replicas."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import httpx
 import pytest
+import yaml
 
 from shm.arena import our_segments
 from tests.conftest import tiny_model_config
@@ -93,3 +95,36 @@ def test_four_agents_at_size_two_are_two_replicas(tmp_path, tiny_model_dir):
         assert httpx.get(f"{srv.url}/stats", timeout=10).json()["agents_alive"] == 2
     finally:
         srv.stop()
+
+
+def test_a_launched_group_serves_attached_servers_and_the_agent_client(tmp_path, tiny_model_dir):
+    """launch_agents starts the group once; the socket-level client drives it as one model, a
+    server attaches to it with the same tokens, and a server expecting single agents is refused."""
+    from tests.agent.test_agent_lifecycle import Launcher, _run
+
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_SERVING_RUNTIME_DIR": str(runtime)}
+    config = tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2)
+    launcher = Launcher(config, env)
+    try:
+        got = _run("tools/agent_client.py", "--config", str(config), "--prompt", PROMPTS[1], "--max-tokens", "8",
+                   "--ignore-eos", "--json", env=env)
+        assert got.returncode == 0, got.stderr
+        srv = ServerProcess(config, "--attach", env=env)
+        try:
+            body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 8, "ignore_eos": True, "details": True}}
+            r = httpx.post(f"{srv.url}/generate", json=body, timeout=120).json()
+            assert [t["id"] for t in r["details"]["tokens"]] == json.loads(got.stdout)["token_ids"]
+        finally:
+            srv.stop()
+        single = tmp_path / "single.yaml"
+        doc = yaml.safe_load(config.read_text())
+        doc["serving_config"]["tensor_parallel_size"] = 1
+        single.write_text(yaml.safe_dump(doc))
+        refused = _run("-m", "llm_serving.serve", "--config", str(single), "--attach", env=env, timeout=120)
+        assert refused.returncode == 1 and "tensor-parallel rank 0 of 2, not rank 0 of 1" in refused.stdout + refused.stderr
+    finally:
+        launcher.proc.send_signal(signal.SIGTERM)
+        launcher.proc.wait(30)
+    assert not [s for s in our_segments() if f"-{launcher.proc.pid}-" in s]
