@@ -226,10 +226,10 @@ def _exit_once(*_: Any) -> None:
 
 
 def agent_process(config_path: str | None, index: int, overrides: dict[str, Any], owner_pid: int | None = None,
-                  tp_segment: str | None = None) -> None:
+                  tp_link: str | None = None) -> None:
     """Spawn target: take the port, load the model (its rank's share with tensor_parallel_size > 1,
-    collectives through the launcher's `tp_segment`) for device `start_device_id + index`, then
-    serve until SIGTERM or until `owner_pid` (the launcher) is gone."""
+    meeting the other ranks where the launcher's `tp_link` says) for device `start_device_id +
+    index`, then serve until SIGTERM or until `owner_pid` (the launcher) is gone."""
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG", "INFO"),
                         format=f"%(asctime)s agent{index} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_once)
@@ -251,7 +251,7 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
         sys.exit(4)
     log_path = _quiet_console(port)
     try:
-        _serve(cfg, index, owner_pid, tp_segment)
+        _serve(cfg, index, owner_pid, tp_link)
     except Exception as exc:  # one line on the console; the traceback goes to the log
         log.error("agent %d failed: %s: %s%s", index, type(exc).__name__, exc,
                   f" (details: {log_path})" if log_path else "")
@@ -297,7 +297,7 @@ def activation_estimate(model_cfg: Any, cfg: Any) -> int:
     return activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
 
 
-def _serve(cfg: Any, index: int, owner_pid: int | None, tp_segment: str | None) -> None:
+def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
     device_id = cfg.start_device_id + index
     os.environ["LLM_SERVING_DEVICE"] = cfg.device  # read by the native kernels' switch too
@@ -326,11 +326,15 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_segment: str | None) 
                       int8_group=cfg.quant_group_size, tp=Group())
     tp = cfg.tensor_parallel_size
     if tp > 1:  # rank index % tp of replica index // tp
-        if tp_segment is None:
+        kind, _, where = (tp_link or "").partition(":")
+        if kind == "shm":
+            rc.tp = Group(index % tp, tp, where, slot_floats(model_cfg.hidden_size, model_cfg.vocab_size,
+                                                             cfg.token_buckets[-1], cfg.max_rows, tp))
+        elif kind == "ms":
+            rc.tp = Group(index % tp, tp, sched_port=int(where))
+        else:
             raise ValueError("tensor_parallel_size > 1: start the group with launch_agents or llm-serving "
-                             "(they make its collective segment)")
-        rc.tp = Group(index % tp, tp, tp_segment, slot_floats(model_cfg.hidden_size, model_cfg.vocab_size,
-                                                              cfg.token_buckets[-1], cfg.max_rows, tp))
+                             "(they make where its ranks meet)")
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
                                         key=compile_cache_key(model_cfg, rc), device_id=device_id)

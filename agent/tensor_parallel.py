@@ -31,8 +31,9 @@ class Group:
     """This agent's place in its model's tensor-parallel group."""
     rank: int = 0
     size: int = 1
-    segment: str | None = None  # the collectives' shared memory (size > 1), made by the launcher
+    segment: str | None = None  # native collectives (CPU): their shared memory, made by the launcher
     slot_floats: int = 0  # floats one rank may contribute to one collective
+    sched_port: int = 0  # else mindspore.communication (mccl on CPU, HCCL, NCCL): the launcher's scheduler
 
     @property
     def parallel(self) -> bool:
@@ -74,15 +75,44 @@ def open_group(lib: str, group: Group) -> None:
         raise RuntimeError(f"tensor-parallel segment {group.segment}: cannot map it (code {rc})")
 
 
-def shard(cfg: LlamaConfig, weights: Mapping, group: Group, lib: str) -> tuple[LlamaConfig, Mapping]:
-    """The model and weights of this rank, its group's segment mapped (size 1: as they are)."""
+def shard(cfg: LlamaConfig, weights: Mapping, group: Group, lib: str | None) -> tuple[LlamaConfig, Mapping]:
+    """The model and weights of this rank, its collectives set up (size 1: as they are): the native
+    ones over the group's segment when the kernels are built, else mindspore.communication."""
     if not group.parallel:
         return cfg, weights
     why = check_shape(cfg, group.size)
     if why:
         raise ValueError(why)
-    open_group(lib, group)
+    if lib is not None:
+        open_group(lib, group)
+    else:
+        join_mindspore_group(group)
     return rank_config(cfg, group.size), ShardedWeights(weights, cfg, group.rank, group.size)
+
+
+def join_mindspore_group(group: Group) -> None:
+    """mindspore.communication's world of this group (msrun's environment, the launcher's scheduler
+    on sched_port): its AllReduce/AllGather then run inside the graphs."""
+    if not group.sched_port:
+        raise ValueError("tensor parallel without the native kernels runs mindspore.communication: start the group "
+                         "with launch_agents or llm-serving, which start its scheduler (LLM_SERVING_NATIVE=0 or "
+                         "another device)")
+    os.environ.update(MS_ROLE="MS_WORKER", MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(group.sched_port),
+                      MS_WORKER_NUM=str(group.size), MS_NODE_ID=str(group.rank))
+    from mindspore.communication import init
+
+    init()
+
+
+def run_scheduler(port: int, size: int) -> None:
+    """Spawn target: mindspore.communication's scheduler for one group's `size` ranks (it exits when
+    they have all gone)."""
+    os.environ.update(MS_ROLE="MS_SCHED", MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(port), MS_WORKER_NUM=str(size))
+    import mindspore as ms
+    from mindspore.communication import init
+
+    ms.set_device(os.environ.get("LLM_SERVING_DEVICE", "CPU"))
+    init()
 
 
 def check_shape(cfg: LlamaConfig, size: int) -> str | None:

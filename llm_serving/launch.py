@@ -12,6 +12,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import signal
+import socket
 import sys
 import os
 import time
@@ -92,38 +93,50 @@ def ping(address: str, timeout_s: float, proc: mp.process.BaseProcess | None = N
 
 
 def spawn_agent(config_path: str | None, index: int, overrides: dict[str, Any],
-                tp_segment: str | None = None) -> mp.process.BaseProcess:
-    """Spawn (never fork: MindSpore hangs in a forked child) agent `index`."""
+                tp_link: str | None = None) -> mp.process.BaseProcess:
+    """Spawn (never fork: MindSpore hangs in a forked child) agent `index`; `tp_link`: where its
+    tensor-parallel group meets (group_link)."""
     from agent.main import agent_process
 
     proc = mp.get_context("spawn").Process(target=agent_process, name=f"agent{index}", daemon=True,
-                                           args=(config_path, index, overrides, os.getpid(), tp_segment))
+                                           args=(config_path, index, overrides, os.getpid(), tp_link))
     proc.start()
-    proc.tp_segment = tp_segment  # type: ignore[attr-defined]  (unlinked when its group stops)
     return proc
 
 
 _epochs = itertools.count()
 
 
-def group_segment(cfg: ServingConfig, group: list[int]) -> str | None:
-    """A fresh collective segment for a tensor-parallel group (None for one rank): named by this
-    launcher's pid, so a dead launcher's are cleaned like stale arenas, and new at every (re)start."""
+def group_link(cfg: ServingConfig, group: list[int]) -> tuple[str | None, Any]:
+    """Where a tensor-parallel group's ranks meet, new at every (re)start, and what to stop with
+    it: `shm:<segment>` for the native collectives (CPU; named by this launcher's pid, so a dead
+    launcher's are cleaned like stale arenas), else `ms:<port>` and mindspore.communication's
+    scheduler process. (None, None) for one rank."""
     if len(group) == 1:
-        return None
-    from agent.tensor_parallel import create_segment, slot_floats
+        return None, None
+    from agent.tensor_parallel import create_segment, run_scheduler, slot_floats
 
-    shape = model_shape(resolve_model(cfg.model_path, cfg.model_cfg_path))
-    name = segment_name(f"tp{cfg.agent_ports[group[0]]}x{next(_epochs)}")
-    create_segment(name, len(group), slot_floats(shape.hidden, shape.vocab, cfg.token_buckets[-1], cfg.max_rows,
-                                                 len(group)))
-    return name
+    if cfg.device == "CPU" and os.environ.get("LLM_SERVING_NATIVE", "1") != "0":  # agent.kernels.enabled()
+        shape = model_shape(resolve_model(cfg.model_path, cfg.model_cfg_path))
+        name = segment_name(f"tp{cfg.agent_ports[group[0]]}x{next(_epochs)}")
+        create_segment(name, len(group), slot_floats(shape.hidden, shape.vocab, cfg.token_buckets[-1], cfg.max_rows,
+                                                     len(group)))
+        return f"shm:{name}", name
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sched = mp.get_context("spawn").Process(target=run_scheduler, args=(port, len(group)), daemon=True,
+                                            name=f"scheduler{group[0]}")
+    sched.start()
+    return f"ms:{port}", sched
 
 
 def spawn_group(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
                 group: list[int]) -> list[mp.process.BaseProcess]:
-    segment = group_segment(cfg, group)
-    return [spawn_agent(config_path, i, overrides, segment) for i in group]
+    link, companion = group_link(cfg, group)
+    procs = [spawn_agent(config_path, i, overrides, link) for i in group]
+    procs[0].tp_companion = companion  # type: ignore[attr-defined]  (stopped with its group)
+    return procs
 
 
 def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
@@ -182,7 +195,7 @@ def respawn_group(cfg: ServingConfig, config_path: str | None, overrides: dict[s
             procs[i].kill()
     for i in group:
         procs[i].join(5.0)
-    _unlink_segments([procs[group[0]]])
+    _stop_companions([procs[group[0]]])
     clean_stale_endpoints()  # a killed agent leaves its socket and lock files behind
     for i, proc in zip(group, spawn_group(cfg, config_path, overrides, group)):
         procs[i] = proc
@@ -192,12 +205,17 @@ def respawn_group(cfg: ServingConfig, config_path: str | None, overrides: dict[s
         log.info("agent %d restarted (pid %d)", i, procs[i].pid)
 
 
-def _unlink_segments(procs: list[mp.process.BaseProcess]) -> None:
+def _stop_companions(procs: list[mp.process.BaseProcess]) -> None:
+    """What a group's rank 0 carries: its collective segment (unlinked) or scheduler (stopped)."""
     from agent.tensor_parallel import SEGMENT_DIR
 
     for p in procs:
-        if getattr(p, "tp_segment", None):
-            (SEGMENT_DIR / p.tp_segment).unlink(missing_ok=True)
+        companion = getattr(p, "tp_companion", None)
+        if isinstance(companion, str):
+            (SEGMENT_DIR / companion).unlink(missing_ok=True)
+        elif companion is not None:
+            companion.kill()
+            companion.join(5.0)
 
 
 def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
@@ -211,7 +229,7 @@ def stop_agents(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> No
             p.kill()
             p.join(1.0)
     if procs:
-        _unlink_segments(procs)
+        _stop_companions(procs)
         clean_stale_endpoints()
         clean_stale_segments()  # arenas of servers killed while attached
 

@@ -14,7 +14,7 @@ import pytest
 from agent.tensor_parallel import SEGMENT_DIR, create_segment
 from tests.agent.test_model_runner import PROMPTS
 from tests.conftest import tiny_model_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 from tests.reference import reference_logits
 
 TP_TOL = 1e-4  # fp32: a rank's partial sums and the all-reduce's order against one rank and float64
@@ -32,8 +32,8 @@ from tests.agent.test_model_runner import PROMPTS, TOKEN_BUCKETS, PagedDriver
 from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 
-rank, size, segment, out, steps, model = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                                          int(sys.argv[5]), sys.argv[6])
+rank, size, segment, out, steps, model, native = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                                  int(sys.argv[5]), sys.argv[6], sys.argv[7] == "native")
 if model == "tiny":
     cfg = tiny_model_config()
     weights, buckets = random_weights(cfg, seed=0), TOKEN_BUCKETS
@@ -43,8 +43,14 @@ else:
     cfg, weights = load_model(resolve_model(model), max_position=128)
     buckets = [4, 64]
 setup_mindspore()
-group = Group(rank, size, segment, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size)) if size > 1 else Group()
-rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=buckets, max_running=16, tp=group)
+if size == 1:
+    group = Group()
+elif native:  # the native collectives over a shared segment
+    group = Group(rank, size, segment, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size))
+else:  # mindspore.communication (mccl), `segment` is its scheduler's port
+    group = Group(rank, size, sched_port=int(segment))
+rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=buckets, max_running=16, tp=group,
+                  native_kernels=native)
 runner = ModelRunner(cfg, weights, rc)
 runner.warmup()
 
@@ -72,17 +78,25 @@ json.dump({"seqs": seqs, "logits": logits, "kv": runner.model.kv_cache_bytes, "w
 """
 
 
-def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny") -> list[dict]:
-    """Every rank of a `size`-way group as its own process (one rank alone for size 1)."""
+def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", native: bool = True) -> list[dict]:
+    """Every rank of a `size`-way group as its own process (one rank alone for size 1); without the
+    native kernels, with mindspore.communication's scheduler as one more process."""
     segment = f"llmserving-test-tp-{uuid.uuid4().hex[:8]}"
-    if size > 1:
+    helpers = []
+    if not native:
+        segment = str(free_port())
+        helpers.append(subprocess.Popen([sys.executable, "-c", "import sys; from agent.tensor_parallel import run_scheduler; "
+                                         f"run_scheduler({segment}, {size})"], cwd=ROOT,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    elif size > 1:
         from agent.tensor_parallel import slot_floats
 
         hidden, vocab = (64, 272) if model == "tiny" else (576, 49152)
         create_segment(segment, size, slot_floats(hidden, vocab, 512, 16, size))
     try:
         procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
-                                   str(tmp_path / f"rank{size}-{r}.json"), str(steps), model], cwd=ROOT,
+                                   str(tmp_path / f"rank{size}-{r}.json"), str(steps), model,
+                                   "native" if native else "plain"], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(size)]
         for p in procs:
@@ -90,6 +104,8 @@ def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny") -> l
             assert p.returncode == 0, out[-3000:]
     finally:
         (SEGMENT_DIR / segment).unlink(missing_ok=True)
+        for h in helpers:
+            h.wait(60)
     return [json.loads((tmp_path / f"rank{size}-{r}.json").read_text()) for r in range(size)]
 
 
@@ -129,3 +145,14 @@ def test_smollm2_in_three_ranks_matches_one_rank(tmp_path):
     assert three[0]["seqs"] == one["seqs"]
     want = np.array(one["logits"])
     assert np.abs(np.array(three[0]["logits"]) - want).max() <= SMOLLM2_TP_REL_TOL * np.abs(want).max()
+
+
+def test_plain_mindspore_ranks_use_mindspore_communication(one_rank, tiny_weights, tmp_path):
+    """Without the native kernels (other devices, LLM_SERVING_NATIVE=0) the ranks meet through
+    mindspore.communication: mccl on this CPU, HCCL/NCCL elsewhere. Same tokens, same bound."""
+    ranks = run_group(2, tmp_path, native=False)
+    assert ranks[0]["seqs"] == ranks[1]["seqs"] == one_rank["seqs"]
+    cfg = tiny_model_config()
+    for prompt, seq, got in zip(PROMPTS, ranks[0]["seqs"], ranks[0]["logits"]):
+        want = reference_logits(cfg, tiny_weights, seq[:-1])[len(prompt) - 1:]
+        assert np.abs(np.array(got) - want).max() <= TP_TOL

@@ -57,6 +57,18 @@ def test_two_ranks_serve_one_rank_s_greedy_text(tmp_path, tiny_model_dir, tiny_w
     assert not [s for s in our_segments() if f"-{srv.proc.pid}-" in s]
 
 
+def test_without_native_kernels_the_ranks_meet_through_mindspore_communication(tmp_path, tiny_model_dir,
+                                                                               one_rank_ids):
+    """LLM_SERVING_NATIVE=0 (as on other devices): plain MindSpore ops, mccl collectives, the
+    launcher's scheduler process; the same greedy text."""
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2),
+                        env={"LLM_SERVING_NATIVE": "0"})
+    try:
+        assert {p: _ids(srv.url, p) for p in PROMPTS[:2]} == {p: one_rank_ids[p] for p in PROMPTS[:2]}
+    finally:
+        srv.stop()
+
+
 def test_sigkill_of_rank_1_mid_stream_restarts_the_group(tmp_path, tiny_model_dir):
     srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2))
     try:
