@@ -82,6 +82,58 @@ def _collectives(lib: str, hidden: int, repeat: int) -> dict[str, float]:
     return out
 
 
+def _mccl(rank: int, size: int, port: int, hidden: int, repeat: int, out: str) -> None:
+    """Seconds per mindspore.communication all-reduce inside a graph (mccl on CPU), as the
+    plain-MindSpore path's ranks call it."""
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    from agent.tensor_parallel import Group, join_mindspore_group
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    join_mindspore_group(Group(rank, size, sched_port=port))
+
+    class Reduce(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.op = ops.AllReduce()
+
+        def construct(self, x: Tensor) -> Tensor:
+            return self.op(x)
+
+    net, result = Reduce(), {}
+    for rows in (1, 16, 128):
+        x = Tensor(np.ones((rows, hidden), np.float32))
+        net(x)
+        times = []
+        for _ in range(repeat * 5):
+            t0 = time.perf_counter()
+            net(x).asnumpy()
+            times.append(time.perf_counter() - t0)
+        result[f"mccl_all_reduce_{rows}x{hidden}_s"] = statistics.median(times)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def run_mccl(args: argparse.Namespace, hidden: int) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp()) / "mccl.json"
+    code = ("import sys; sys.path.insert(0, '.'); from tools.bench_tp import _mccl; "
+            f"_mccl(int(sys.argv[1]), 2, {port}, {hidden}, {args.repeat}, '{out}')")
+    sched = subprocess.Popen([sys.executable, "-c", f"from agent.tensor_parallel import run_scheduler; run_scheduler({port}, 2)"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for r in range(2)]
+    ok = all(p.wait(300) == 0 for p in ranks)
+    sched.wait(60)
+    return json.loads(out.read_text()) if ok else {}
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank (or size 1): pinned, load, warm up, then the same steps as every other rank."""
     cores = sorted(os.sched_getaffinity(0))
@@ -173,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
               + f" {pre * 1e3:6.1f} ({one['steps'][next(iter(one['steps']))]['prefill_s'] / pre:.2f}x)")
         for k, v in r.items():
             if k.startswith("all_reduce"):
-                print(f"     {k.removesuffix('_s')}: {v * 1e6:.1f} us")
+                print(f"     native {k.removesuffix('_s')}: {v * 1e6:.1f} us")
+    if max(sizes) > 1:
+        from common.memory import model_shape
+        from common.model_files import resolve_model
+
+        for k, v in run_mccl(args, model_shape(resolve_model(args.model)).hidden).items():
+            print(f"     {k.removesuffix('_s')} (mindspore.communication, in a graph): {v * 1e6:.1f} us")
     return 0
 
 
