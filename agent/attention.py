@@ -3,9 +3,9 @@ parameter-free cells: `NativeAttention` (agent/kernels: reads K/V straight from 
 and `PlainAttention` (MindSpore primitives, any device: every token gathers a copy of its
 sequence's context, ~8 kernels per layer, same result; tokens in chunks that bound that copy).
 
-Both take a step's `context(...)` once, then per layer `rope_write` (q from the fused Q|K|V
-projection, its keys and values written into the layer's cache) and `attention`. Rope tables are
-the model's parameters, passed in through the context.
+Both take a step's `context(...)` once, then per layer `rope_attention`: rope on the fused Q|K|V
+projection, its keys and values written into the layer's cache, attention over the cache (one op
+on the native path). Rope tables are the model's parameters, passed in through the context.
 """
 from __future__ import annotations
 
@@ -36,18 +36,15 @@ class NativeAttention(nn.Cell):
     def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
         super().__init__()
         self.block_size = block_size
-        self.rope_op, self.paged_op = k["rope_cache"], k["paged_attention"]
+        self.op = k["rope_attention"]
 
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
         return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
 
-    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
-        """(q [n, H * hd], the caches): the keys and values go into the caches in the same op."""
-        return self.rope_op(qkv, c[3], c[4], c[0], slots, k_cache, v_cache), k_cache, v_cache
-
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
-        return self.paged_op(q, k_cache, v_cache, c[1], c[2], c[0])
+    def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """Attention [n, H * hd]; the step's keys and values go into the caches in the same op."""
+        return self.op(qkv, c[3], c[4], c[0], slots, k_cache, v_cache, c[1], c[2])
 
 
 class PlainAttention(nn.Cell):
@@ -77,7 +74,11 @@ class PlainAttention(nn.Cell):
         sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
         return cos, sin, token_slots, bias
 
-    def rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
+    def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        q, k_cache, v_cache = self._rope_write(qkv, c, slots, k_cache, v_cache)
+        return self._attention(q, k_cache, v_cache, c)
+
+    def _rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
         """Rope on the query and key heads at once: (q [n, H, hd], the updated caches). Keys and values
         are scattered into the caches by slot: O(tokens), where every other write form copies the
         whole cache; attention reads what the scatters return (read back from the Parameters, a
@@ -90,7 +91,7 @@ class PlainAttention(nn.Cell):
         return (q, ops.scatter_update(k_cache, slots, k),
                 ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd)))
 
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
+    def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
         token_slots, bias = c[2], c[3]
         n, ctx = token_slots.shape
         chunk = max(1, GATHER_BYTES // (ctx * self.kv * self.hd * 8))

@@ -126,8 +126,7 @@ class LlamaModel(nn.Cell):
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
-            q, k_cache, v_cache = self.attn.rope_write(qkv, c, slots, self.k_cache[i], self.v_cache[i])
-            attn = self.attn.attention(q, k_cache, v_cache, c)
+            attn = self.attn.rope_attention(qkv, c, slots, self.k_cache[i], self.v_cache[i])
             x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(self.o.linear(attn, i)), i)
             delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
             if i + 1 < self.cfg.num_layers:

@@ -114,8 +114,8 @@ def kernel_paths(lib: str | None, dtype: str) -> str:
 
 def custom_ops(lib: str, q_size: int, tp_size: int = 1) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
-    blocks; int8; alone or fused with the norm / SwiGLU feeding them), paged attention reading the cache
-    by slot, rope writing the step's keys and values into the cache, and RMSNorm / SwiGLU each as one
+    blocks; int8; alone or fused with the norm / SwiGLU feeding them), rope writing the step's keys and
+    values into the cache then paged attention reading it by slot (one op), and RMSNorm / SwiGLU each as one
     op instead of 4-5; the tensor-parallel collectives over shared memory (`tp_size` ranks)."""
     from mindspore import ops
 
@@ -137,11 +137,10 @@ def custom_ops(lib: str, q_size: int, tp_size: int = 1) -> dict[str, Any]:
         "linear_i8": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
         "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
         "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),
-        "paged_attention": custom("PagedAttention", same, same),
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
-        "rope_cache": writes_memory(custom("RopeCache", lambda qkv, *_: [qkv[0], q_size], same)),
+        "rope_attention": writes_memory(custom("RopeAttention", lambda qkv, *_: [qkv[0], q_size], same)),
         "all_reduce": custom("AllReduce", same, same),
         "all_gather": custom("AllGather", lambda x: [x[0], x[1] * tp_size], same),
     }
