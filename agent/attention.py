@@ -3,9 +3,11 @@ parameter-free cells: `NativeAttention` (agent/kernels: reads K/V straight from 
 and `PlainAttention` (MindSpore primitives, any device: every token gathers a copy of its
 sequence's context, ~8 kernels per layer, same result; tokens in chunks that bound that copy).
 
-Both take a step's `context(...)` once, then per layer `rope_attention`: rope on the fused Q|K|V
-projection, its keys and values written into the layer's cache, attention over the cache (one op
-on the native path). Rope tables are the model's parameters, passed in through the context.
+Both take a step's `context(...)` once. Per layer, rope on the fused Q|K|V projection, its keys and
+values written into the layer's cache, attention over the cache: `PlainAttention.rope_attention`,
+or on the native path one op with the output projection after it, whose inputs
+`NativeAttention.inputs` lays out (agent.layers). Rope tables are the model's parameters, passed in
+through the context.
 """
 from __future__ import annotations
 
@@ -30,21 +32,21 @@ def context_slots(block_tables: Tensor, block_size: int) -> Tensor:
 
 
 class NativeAttention(nn.Cell):
-    """Rope as one op (split into q, k, v on the way) and paged attention reading the cache by slot
-    (agent/kernels/paged_attention.cpp): no gathered K/V copy, mask or permutes."""
+    """Rope (split into q, k, v on the way) and paged attention reading the cache by slot
+    (agent/kernels/paged_attention.cpp), in the op of the projection after them: no gathered K/V
+    copy, mask or permutes."""
 
     def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
         super().__init__()
         self.block_size = block_size
-        self.op = k["rope_attention"]
 
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
         return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
 
-    def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """Attention [n, H * hd]; the step's keys and values go into the caches in the same op."""
-        return self.op(qkv, c[3], c[4], c[0], slots, k_cache, v_cache, c[1], c[2])
+    def inputs(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
+        """The attention inputs of agent/kernels/fused.cpp's RopeAttention, in its order."""
+        return qkv, c[3], c[4], c[0], slots, k_cache, v_cache, c[1], c[2]
 
 
 class PlainAttention(nn.Cell):

@@ -99,6 +99,12 @@ class Projection(nn.Cell):
     def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
         return self.linear(self.norms.swiglu(gu), i)
 
+    def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, i: int) -> Tensor:
+        """Layer i's attention from its Q|K|V projection (`attn`: agent.attention's cell; the step's
+        keys and values go into the caches) and this projection of it."""
+        return self.linear(attn.rope_attention(qkv, c, slots, k_cache, v_cache), i)
+
 
 class PlainLinear(Projection):
     """MindSpore MatMul on one [out, in] copy (transpose_b: the layout Ascend and GPU kernels take).
@@ -118,16 +124,16 @@ class PlainLinear(Projection):
 
 
 class NativeLinear(Projection):
-    """A projection on a native op (`op_name`), with the norm and SwiGLU feeding it fused into its op
-    (`fused`; agent/kernels/fused_linear.cpp and linear_int8.cpp): 3 dispatches less a layer."""
+    """A projection on a native op (`op_name`), with the norm, SwiGLU or attention feeding it fused
+    into its op (`fused`; agent/kernels/fused_linear.cpp and linear_int8.cpp): 4 ops a layer."""
 
     op_name = ""
-    fused = ("", "")
+    fused = ("", "", "")
 
     def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
         super().__init__(norms, layers, k, width)
         self.op = k[self.op_name]
-        self.add_rms_op, self.swiglu_op = (k[name] for name in self.fused)
+        self.add_rms_op, self.swiglu_op, self.attn_op = (k[name] for name in self.fused)
 
 
 class F32Linear(NativeLinear):
@@ -136,7 +142,7 @@ class F32Linear(NativeLinear):
     Widths that are not a multiple of 64 are padded and the extra columns dropped."""
 
     op_name = "linear_blocks"
-    fused = ("add_rms_linear", "swiglu_linear")
+    fused = ("add_rms_linear", "swiglu_linear", "rope_attention_linear")
 
     @staticmethod
     def convert(mat: np.ndarray) -> np.ndarray:
@@ -167,6 +173,10 @@ class F32Linear(NativeLinear):
     def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
         return self.out(self.swiglu_op(gu, self.w0[i]))
 
+    def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, i: int) -> Tensor:
+        return self.out(self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache), self.w0[i]))
+
 
 class Bf16Linear(F32Linear):
     """bf16 weights, same blocks and kernel: half the memory and bytes streamed per step; oneDNN's
@@ -192,7 +202,7 @@ class Int8Linear(NativeLinear):
     norm and SwiGLU feeding a projection run in that same pass (a dispatch less each)."""
 
     op_name = "linear_i8"
-    fused = ("add_rms_linear_i8", "swiglu_linear_i8")
+    fused = ("add_rms_linear_i8", "swiglu_linear_i8", "rope_attention_linear_i8")
 
     @staticmethod
     def stored(prepared: tuple[Int8Rows, np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -207,6 +217,10 @@ class Int8Linear(NativeLinear):
 
     def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
         return self.swiglu_op(gu, self.w0[i], self.w1[i], self.w2[i])
+
+    def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, i: int) -> Tensor:
+        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache), self.w0[i], self.w1[i], self.w2[i])
 
 
 class Alone(nn.Cell):
@@ -283,7 +297,7 @@ class Backend:
     def kernels(self, cfg: Any) -> dict[str, Any]:
         if self.lib is None:
             return {}
-        return custom_ops(self.lib, cfg.num_heads * cfg.head_dim, self.tp_size)
+        return custom_ops(self.lib, self.tp_size)
 
     def collectives(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
         if self.tp_size == 1:

@@ -126,8 +126,8 @@ class LlamaModel(nn.Cell):
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
-            attn = self.attn.rope_attention(qkv, c, slots, self.k_cache[i], self.v_cache[i])
-            x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(self.o.linear(attn, i)), i)
+            attn = self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i], self.v_cache[i], i)
+            x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(attn), i)
             delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
             if i + 1 < self.cfg.num_layers:
                 x, qkv = self.qkv.add_norm_linear(x, delta, i + 1)

@@ -112,11 +112,12 @@ def kernel_paths(lib: str | None, dtype: str) -> str:
     return fn().decode()
 
 
-def custom_ops(lib: str, q_size: int, tp_size: int = 1) -> dict[str, Any]:
+def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
-    blocks; int8; alone or fused with the norm / SwiGLU feeding them), rope writing the step's keys and
-    values into the cache then paged attention reading it by slot (one op), and RMSNorm / SwiGLU each as one
-    op instead of 4-5; the tensor-parallel collectives over shared memory (`tp_size` ranks)."""
+    blocks; int8), alone or fused with what feeds them: the norm, SwiGLU, or the layer's attention
+    (rope writing the step's keys and values into the cache, then paged attention reading it by
+    slot); RMSNorm / SwiGLU each as one op instead of 4-5; the tensor-parallel collectives over
+    shared memory (`tp_size` ranks)."""
     from mindspore import ops
 
     def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
@@ -140,7 +141,11 @@ def custom_ops(lib: str, q_size: int, tp_size: int = 1) -> dict[str, Any]:
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
-        "rope_attention": writes_memory(custom("RopeAttention", lambda qkv, *_: [qkv[0], q_size], same)),
+        # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, then the weights
+        "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[8][0] * a[8][2]],
+                                                      same)),
+        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[8][0]],
+                                                         same)),
         "all_reduce": custom("AllReduce", same, same),
         "all_gather": custom("AllGather", lambda x: [x[0], x[1] * tp_size], same),
     }

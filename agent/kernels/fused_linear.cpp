@@ -1,8 +1,9 @@
-// The residual add + RMSNorm, or SwiGLU, that feeds a float projection, and the projection, as one
-// MindSpore op: a dispatch less per norm and per MLP (3 of a layer's ops; each costs ~20 us whatever
-// its size, and a one-row decode step of SmolLM2 is ~300 of them). The element-wise step runs over
-// the rows first (rows.h, as its own op would), then the projection's core (linear.h): weights in
-// column blocks [N/64, K, 64], fp32, bf16 bits (uint16) or f16.
+// The residual add + RMSNorm, or SwiGLU, or the attention that feeds a projection, and the
+// projection, as one MindSpore op: a dispatch less each (each costs ~20 us whatever its size, and a
+// one-row decode step of SmolLM2 was ~300 of them). The step feeding it runs over the rows first
+// (rows.h, fused.cpp's RopeAttention, as its own op would), then the projection's core (linear.h):
+// weights in column blocks [N/64, K, 64], fp32, bf16 bits (uint16) or f16; or int8 (linear_int8.cpp).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -53,4 +54,62 @@ extern "C" int SwiGluLinear(int nparam, void **params, int *ndims, int64_t **sha
     for (int64_t r = b; r < e; ++r) kernels::swiglu_row(gu + r * 2 * k, k, hp + r * k);
   });
   return project(hp, m, k, params[1], dtypes[1], ndims[1], shapes[1], static_cast<float *>(params[2]));
+}
+
+extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra);
+extern "C" int LinearBlocks(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra);
+extern "C" int LinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra);
+
+namespace {
+
+using Op = int(int, void **, int *, int64_t **, const char **, void *, void *);
+constexpr int ATTN_INPUTS = 9;  // RopeAttention's inputs: qkv, cos, sin, positions, slots, caches, context
+
+// RopeAttention's 9 inputs, then `project`'s weight inputs, then the output [n, N]: the attention
+// [n, h * hd] (h * hd = the Q|K|V width less K and V's) goes into a buffer and `project` reads it.
+int attention_then(Op *project, int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                   void *stream, void *extra) {
+  constexpr int MAX_PARAMS = 16;
+  if (nparam <= ATTN_INPUTS + 1 || nparam > MAX_PARAMS || ndims[0] != 2 || ndims[5] != 3) return 1;
+  const int64_t n = shapes[0][0], q_width = shapes[0][1] - 2 * shapes[5][1] * shapes[5][2];
+  thread_local std::vector<float> attn;
+  attn.resize(static_cast<size_t>(n * q_width));
+  int64_t attn_shape[2] = {n, q_width};
+  void *p[MAX_PARAMS];
+  int d[MAX_PARAMS];
+  int64_t *s[MAX_PARAMS];
+  const char *t[MAX_PARAMS];
+  std::copy(params, params + ATTN_INPUTS, p);
+  std::copy(ndims, ndims + ATTN_INPUTS, d);
+  std::copy(shapes, shapes + ATTN_INPUTS, s);
+  std::copy(dtypes, dtypes + ATTN_INPUTS, t);
+  p[ATTN_INPUTS] = attn.data(), d[ATTN_INPUTS] = 2, s[ATTN_INPUTS] = attn_shape, t[ATTN_INPUTS] = "float32";
+  if (int rc = RopeAttention(ATTN_INPUTS + 1, p, d, s, t, stream, extra)) return rc;
+  // The projection: the attention, then this op's remaining inputs and its output.
+  const int rest = nparam - ATTN_INPUTS;
+  p[0] = attn.data(), d[0] = 2, s[0] = attn_shape, t[0] = "float32";
+  std::copy(params + ATTN_INPUTS, params + nparam, p + 1);
+  std::copy(ndims + ATTN_INPUTS, ndims + nparam, d + 1);
+  std::copy(shapes + ATTN_INPUTS, shapes + nparam, s + 1);
+  std::copy(dtypes + ATTN_INPUTS, dtypes + nparam, t + 1);
+  return project(rest + 1, p, d, s, t, stream, extra);
+}
+
+}  // namespace
+
+// The decoder layer's attention (fused.cpp's RopeAttention: rope, the KV cache write, paged
+// attention) and its output projection as one op: 4 ops a layer. Marked as writing memory (the
+// caches), as RopeAttention is. Inputs: RopeAttention's 9, then w (float blocks). Output: [n, N].
+extern "C" int RopeAttentionLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                   void *stream, void *extra) {
+  return nparam == ATTN_INPUTS + 2 ? attention_then(LinearBlocks, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
+}
+
+// The same with an int8 output projection. Inputs: RopeAttention's 9, then qw, sw, g. Output: [n, N].
+extern "C" int RopeAttentionLinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                       void *stream, void *extra) {
+  return nparam == ATTN_INPUTS + 4 ? attention_then(LinearInt8, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
 }
