@@ -47,6 +47,13 @@ namespace {
 constexpr int64_t KB = 32;   // bytes per vector step
 constexpr int64_t LANES = 8; // groups per block: one per int32 lane
 constexpr int64_t NBLK = 32; // output channels per cache block: 32 x Kp bytes of weights stay in L1/L2 across tokens
+constexpr int64_t PF_ROWS = 4;  // weight rows prefetched ahead of the tile's
+// Up to this many tokens a call walks the weight rows one at a time: one sequential stream from
+// DRAM. Four rows at a time (4 streams, each only Kp bytes long) kept the prefetchers behind: SmolLM2's
+// 30 layers at M = 1 took 14.6 ms (8 GB/s) against 8.8 ms (14 GB/s) one row at a time, and at
+// M = 3 and 4 17.0 / 16.4 ms against 10.0 / 13.4 (Zen 3, AVX2); from 8 tokens, where the weights
+// are reused from cache, 4 rows share each activation load again.
+constexpr int64_t STREAM_M = 4;
 
 struct Shape {
   int64_t kp, gs, ng;  // padded width, group size, groups per row
@@ -147,17 +154,18 @@ void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, co
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) accf[i][j] = _mm256_setzero_ps();
   const int64_t block = LANES * s.gs;
-  for (int64_t b0 = 0; b0 < s.kp; b0 += block) {
+  // g0: the block's first group (a running count: a division per block cost ~10% at G = 36)
+  for (int64_t b0 = 0, g0 = 0; b0 < s.kp; b0 += block, g0 += LANES) {
     __m256i acc[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_si256();
     for (int64_t k = b0; k < b0 + block; k += KB) {
       __m256i wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w + j * s.kp + k));
-      // The next tile, one line per 64 bytes: the hardware prefetcher alone kept a decode step's
-      // weight stream at ~9 GB/s from DRAM (oneDNN's sgemm reached 16-25).
+      // The rows PF_ROWS ahead, one line per 64 bytes: the hardware prefetcher alone kept a decode
+      // step's weight stream at ~9 GB/s from DRAM (oneDNN's sgemm reached 16-25).
       if (k % 64 == 0)
-        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char *>(w + (j + NB) * s.kp + k), _MM_HINT_T0);
+        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char *>(w + (j + PF_ROWS) * s.kp + k), _MM_HINT_T0);
       for (int i = 0; i < MB; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + i * s.kp + k));
 #if OFFSET
@@ -170,7 +178,6 @@ void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, co
         for (int j = 0; j < NB; ++j) acc[i][j] = dot_add(acc[i][j], ax, xv, wv[j]);
       }
     }
-    const int64_t g0 = b0 / s.gs;
     for (int i = 0; i < MB; ++i) {
       const __m256 xs = _mm256_loadu_ps(sx + i * s.ng + g0);
       for (int j = 0; j < NB; ++j) {
@@ -221,13 +228,16 @@ void run_tile(const int8_t *qx, const float *sx, Channels c, Shape s, int64_t n,
 
 // Tokens [m0, m0+MB) against channels [b, e): up to 3 tokens x 4 channels, 12 independent
 // multiply-add chains (2 x 2 kept the multiply-adds waiting on their own latency: int8 0.64-0.84x
-// of fp32 in 64-256-token steps on a Zen 4, 1.0-1.4x with 3 x 4; an AVX2 build gains as much).
+// of fp32 in 64-256-token steps on a Zen 4, 1.0-1.4x with 3 x 4; an AVX2 build gains as much);
+// `one_row`: a channel at a time (STREAM_M).
 template <int MB, bool U>
 void token_block(const int8_t *qx, const float *sx, Channels c, Shape s, int64_t b, int64_t e, float *y,
-                 int64_t ldy) {
+                 int64_t ldy, bool one_row) {
   int64_t n = b;
-  for (; n + 4 <= e; n += 4) run_tile<MB, 4, U>(qx, sx, c, s, n, y, ldy);
-  for (; n + 2 <= e; n += 2) run_tile<MB, 2, U>(qx, sx, c, s, n, y, ldy);
+  if (!one_row) {
+    for (; n + 4 <= e; n += 4) run_tile<MB, 4, U>(qx, sx, c, s, n, y, ldy);
+    for (; n + 2 <= e; n += 2) run_tile<MB, 2, U>(qx, sx, c, s, n, y, ldy);
+  }
   for (; n < e; ++n) run_tile<MB, 1, U>(qx, sx, c, s, n, y, ldy);
 }
 
@@ -236,9 +246,10 @@ template <bool U>
 void channel_block(int64_t m, const int8_t *qx, const float *sx, Channels c, Shape s, int64_t n0, int64_t n1,
                    float *y, int64_t n) {
   int64_t i = 0;
-  for (; i + 3 <= m; i += 3) token_block<3, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n);
-  for (; i + 2 <= m; i += 2) token_block<2, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n);
-  if (i < m) token_block<1, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n);
+  const bool one_row = m <= STREAM_M;
+  for (; i + 3 <= m; i += 3) token_block<3, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
+  for (; i + 2 <= m; i += 2) token_block<2, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
+  if (i < m) token_block<1, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
 }
 
 // Parses qw [N, Kp] int8, sw [N, Kp/G], g [K] at params index w for inputs of width k.
