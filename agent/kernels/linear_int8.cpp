@@ -359,7 +359,7 @@ extern "C" const char *Int8KernelPath() {
 #elif OFFSET
   return "int8: AVX-VNNI vpdpbusd (256-bit), unsigned activations + exact compensation from 4 tokens";
 #elif defined(__AVX2__)
-  return "int8: AVX2 vpmaddubsw + vpmaddwd (no VNNI: large steps run at about fp32 speed)";
+  return "int8: AVX2 vpmaddubsw + vpmaddwd (no VNNI: from ~16 tokens a step computes at about fp32 speed)";
 #else
   return "int8: scalar (no AVX2)";
 #endif

@@ -25,7 +25,7 @@ from tests.agent.test_model_runner import PROMPTS, PagedDriver, make_runner
 from tests.helpers import ROOT
 
 # (rows, inputs, outputs): decode rows around the streaming loop's 4-row tiles, oneDNN's threshold
-# (8), a packed step, a width that needs padding and several blocks per core.
+# (8 with AVX-512, 20 with AVX2), a packed step, a width that needs padding and several blocks per core.
 CASES = [(1, 576, 960), (3, 100, 64), (5, 1536, 577), (8, 64, 192), (64, 576, 1536), (130, 96, 33)]
 # bf16 rounds each weight and activation to 8 significant bits (relative error <= 2^-9 each).
 BF16_REL = 2.0 ** -8
