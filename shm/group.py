@@ -10,7 +10,7 @@ from typing import Any, Callable
 from shm.arena import Arena
 from shm.messages import AgentInfo, StepReply
 from shm.step import StepDims
-from shm.transport import AgentClient, AgentDead, AgentError
+from shm.transport import POLL_MS, AgentClient, AgentDead, AgentError
 
 
 class GroupClient:
@@ -56,7 +56,6 @@ class GroupClient:
         for r in self.ranks:
             r.check_alive()
 
-
     def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None) -> None:
         for r in self.ranks:
             r.send_step(dims, free, has_prefill, slot, tag)
@@ -74,8 +73,13 @@ class GroupClient:
     def _all(self, poll: Callable[[AgentClient, float], Any], timeout_s: float) -> Any:
         """Rank 0's reply once every rank has answered the same command (an error of rank 0's after
         the others' replies are taken too, so the ranks stay in step)."""
+        deadline = time.monotonic() + timeout_s
         try:
-            reply = poll(self.lead, timeout_s)
+            while True:  # rank 0 waits in a collective for a dead peer (up to 120 s): watch every rank
+                self.check_alive()
+                reply = poll(self.lead, max(0.0, min(POLL_MS / 1000, deadline - time.monotonic())))
+                if reply is not None or time.monotonic() >= deadline:
+                    break
         except AgentError:
             self._rest(poll)
             raise

@@ -77,10 +77,17 @@ def test_sigkill_of_rank_1_mid_stream_restarts_the_group(tmp_path, tiny_model_di
         assert len(pids) == 2
         out, threads = _concurrent(srv.url, PROMPTS, 60)
         time.sleep(0.5)  # mid-stream
-        os.kill(sorted(pids)[1], signal.SIGKILL)  # rank 1 (spawned second)
-        seen, deadline = [], time.monotonic() + 180
+        rank1 = sorted(pids)[1]  # spawned second
+        # Stopped first, so rank 0 waits in a collective with both steps in flight (its reply never
+        # comes), then killed: the group's poll must see rank 1 die, not wait out the step timeout.
+        os.kill(rank1, signal.SIGSTOP)
+        time.sleep(1.0)
+        os.kill(rank1, signal.SIGKILL)
+        killed, seen, deadline = time.monotonic(), [], time.monotonic() + 180
         while time.monotonic() < deadline:
             seen.append(httpx.get(f"{srv.url}/health", timeout=5).json()["status"])
+            if seen[-1] == "recovering" and "recovering" not in seen[:-1]:
+                assert time.monotonic() - killed < 5  # seen at once, not after step_timeout_s (120 s)
             if seen[-1] == "ok" and "recovering" in seen:
                 break
             time.sleep(0.1)
