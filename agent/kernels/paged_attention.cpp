@@ -24,6 +24,7 @@
 
 #include "dnnl.h"
 #include "parallel.h"
+#include "rows.h"
 
 namespace {
 
@@ -107,7 +108,17 @@ void weigh(const float *p, const T *vc, const int32_t *slots, int64_t len, int64
 void softmax(float *s, int64_t len) {
   const float peak = *std::max_element(s, s + len);
   float sum = 0.f;
-  for (int64_t j = 0; j < len; ++j) sum += (s[j] = std::exp(s[j] - peak));
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= len; j += 8) {
+    const __m256 e = kernels::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(peak)));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(reinterpret_cast<v8 &>(acc));
+#endif
+  for (; j < len; ++j) sum += (s[j] = std::exp(s[j] - peak));
   const float inv = 1.f / sum;
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
