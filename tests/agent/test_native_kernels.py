@@ -28,11 +28,14 @@ def reference(q, kc, vc, slots, token_rows, pos):
 
 # Query tokens per sequence of one packed step: decodes (1), short runs (< 8: per-token path) and
 # prefill chunks (GEMM path), mixed in any order.
+# One decode token alone: its KV heads are split over the cores (with two or more).
 @pytest.mark.parametrize("heads,kv,hd,q_lens", [(9, 3, 64, [1] * 5), (4, 4, 128, [1] * 5), (4, 2, 16, [1] * 5),
                                                  (6, 2, 64, [3] * 5), (9, 3, 64, [40] * 5), (4, 4, 16, [8] * 5),
-                                                 (9, 3, 64, [1, 40, 1, 3, 9]), (4, 2, 16, [33, 1, 1, 8, 2])],
+                                                 (9, 3, 64, [1, 40, 1, 3, 9]), (4, 2, 16, [33, 1, 1, 8, 2]),
+                                                 (9, 3, 64, [1]), (4, 4, 128, [1])],
                          ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa",
-                              "prefill-gemm-mha-hd16", "packed-mix-gqa", "packed-mix-hd16"])
+                              "prefill-gemm-mha-hd16", "packed-mix-gqa", "packed-mix-hd16", "one-decode-token-gqa",
+                              "one-decode-token-mha-hd128"])
 def test_kernel_matches_numpy(heads, kv, hd, q_lens):
     import mindspore as ms
     from mindspore import Tensor, nn, ops
@@ -60,7 +63,7 @@ def test_kernel_matches_numpy(heads, kv, hd, q_lens):
     # Context lengths 1..ctx, including lengths that are not a multiple of the kernel's key block.
     n = len(token_rows)
     pos = rng.integers(0, ctx, n).astype(np.int32)
-    pos[:3] = [0, 6, ctx - 1]
+    pos[:3] = [ctx - 1, 0, 6][:n]
     q = rng.standard_normal((n, heads * hd), dtype=np.float32) / np.sqrt(hd)
     got = Attention()(Tensor(q), ms.Parameter(Tensor(kc), name="k"), ms.Parameter(Tensor(vc), name="v"),
                       Tensor(slots), Tensor(token_rows), Tensor(pos)).asnumpy()
