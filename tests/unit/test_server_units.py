@@ -143,6 +143,29 @@ def test_scheduler_uses_the_prefill_only_budget_while_nothing_decodes():
     assert [(p.seq, p.n_tokens) for p in plan.rows] == [(a, 1), (b, 9)]
 
 
+def test_scheduler_ends_a_step_at_a_bucket_rather_than_pad_most_of_the_next():
+    cfg = ServingConfig(num_blocks=64, block_size=16, max_model_len=512, prefill_buckets=[128, 256],
+                        decode_buckets=[1, 4]).validate()
+    assert cfg.token_buckets == [1, 4, 16, 64, 128, 256]
+    s = Scheduler(cfg)
+    a = Sequence(list(range(141)), SamplingParams(), 0.0)
+    s.add(a)
+    plan = s.schedule()  # 141 would pad to 256: 128 now, the 13 left next
+    assert [(p.n_tokens, p.sample) for p in plan.rows] == [(128, False)]
+    s.update(plan, [None])
+    plan = s.schedule()
+    assert [(p.n_tokens, p.sample) for p in plan.rows] == [(13, True)]
+    s.update(plan, [5])
+    assert a.output == [5] and a.computed == 141
+    for n in (200, 70):  # with a's decode: cutting 73 would save 55; cutting 7 saves 57, less than a step costs
+        b = Sequence(list(range(100 * n, 101 * n)), SamplingParams(max_new_tokens=1), 1.0)
+        s.add(b)
+        plan = s.schedule()
+        assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 1, True), (b, n, True)]
+        s.update(plan, [6, 7])
+        s.remove(b)
+
+
 def test_scheduler_preempts_newest_when_blocks_run_out():
     s = Scheduler(_cfg())  # 8 usable blocks of 4 tokens
     seqs = [Sequence(list(range(i * 10, i * 10 + 8)), SamplingParams(), float(i)) for i in range(3)]
