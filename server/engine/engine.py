@@ -118,12 +118,14 @@ class Engine:
                 # IDLE_WAIT_S between steps: 200 ms gaps, a third of an all-at-once run.
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
-                for lane in self.lanes:  # with overlap: steps N and N+1 back to back
-                    while lane.can_send and self.stepper.launch(lane, now):
+                for lane in self.lanes:  # with overlap: step N+1 goes shortly before step N ends
+                    while lane.can_send and lane.send_wait(now) <= 0 and self.stepper.launch(lane, now):
                         pass
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
-                    self.stepper.poll(lane, 0.005 if len(busy) > 1 else 0.05)
+                    wait = lane.send_wait(now) if lane.can_send else 0.0
+                    limit = 0.005 if len(busy) > 1 else 0.05
+                    self.stepper.poll(lane, min(limit, wait) if wait > 0 else limit)
                 self.supervisor.expire_overdue(time.monotonic())
                 self.out.flush()
                 self._update_gauges()

@@ -15,6 +15,7 @@ import numpy as np
 
 from common.config import ServingConfig
 from common.procs import Backoff, pid_alive
+from server.engine.pacing import StepPacer
 from server.scheduler import Scheduler, Sequence, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
@@ -46,6 +47,7 @@ class AgentLane:
         # Steps in flight: two with overlap (the agent queues the second and starts it the moment
         # it replies to the first), else one.
         self.depth = 2 if cfg.overlap_steps else 1
+        self.pacer = StepPacer(cfg.token_buckets)  # when the second step goes (server/engine/pacing.py)
         self.sent_at = time.monotonic()  # when the command in flight (or the last one) was sent
         self.replied_at = self.sent_at  # when the last step's reply came: the agent's next step starts then
         self.backoff = Backoff(cfg.max_agent_restarts)  # restarts in a row, reset by a successful step
@@ -75,6 +77,15 @@ class AgentLane:
     @property
     def can_send(self) -> bool:
         return self.live and not self.ping_pending and len(self.inflight) < self.depth
+
+    def send_wait(self, now: float) -> float:
+        """Seconds before the next step should be sent: 0 now (none in flight, or the one in flight
+        is due to end within the pacer's lead)."""
+        steps = self.inflight
+        if len(steps) != 1:
+            return 0.0
+        step = steps[0]
+        return self.pacer.wait_s(sum(p.n_tokens for p in step.plan.rows), max(step.sent_at, self.replied_at), now)
 
     def in_flight(self, seq: Sequence) -> bool:
         return any(p.seq is seq for step in self.inflight for p in step.plan.rows)

@@ -84,6 +84,7 @@ class Stepper:
         rows = step.plan.rows
         start = max(step.sent_at, lane.replied_at)  # the agent ran the step before this one until then
         lane.replied_at = now
+        lane.pacer.observe(sum(p.n_tokens for p in rows), now - start)
         kind = "prefill" if step.plan.has_prefill else "decode"
         self.metrics.step_time.labels(kind).observe(now - start)
         self.step_count += 1

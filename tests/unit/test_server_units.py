@@ -342,3 +342,15 @@ def test_retry_after_follows_the_queue_and_recent_throughput():
     assert drain_eta_s(50, [0.0, 1.0, 2.0, 3.0, 4.0]) == 50  # one request a second
     assert drain_eta_s(50, [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]) == 5  # ten a second
     assert drain_eta_s(10**6, [0.0, 100.0]) == RETRY_AFTER_MAX_S
+
+
+def test_step_pacer_sends_the_next_step_shortly_before_the_one_in_flight_is_due():
+    from server.engine.pacing import EARLY, LEAD_S, StepPacer
+
+    p = StepPacer([16, 64])
+    assert p.wait_s(10, started=5.0, now=5.0) == 0.0  # a bucket never timed: send at once
+    p.observe(10, 0.2)
+    assert abs(p.wait_s(12, 5.0, 5.0) - (0.2 * (1 - EARLY) - LEAD_S)) < 1e-9  # same bucket (16)
+    assert p.wait_s(12, 5.0, 5.2) == 0.0 and p.wait_s(40, 5.0, 5.0) == 0.0  # due now; bucket 64 untimed
+    p.observe(16, 0.1)
+    assert abs(p.took[16] - 0.175) < 1e-9  # a running mean, not the last step alone
