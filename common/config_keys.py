@@ -237,7 +237,9 @@ KEYS: list[Key] = [
     Key(S, "warmup", "warmup", as_bool, here="build every graph before ready"),
     Key(S, "enable_prefix_caching", "enable_prefix_caching", as_bool, here="reuse KV blocks of a prompt prefix computed before"),
     Key(S, "overlap_steps", "overlap_steps", as_bool,
-        here="send step N+1 while the agent runs step N, its decodes fed by the agent's own last samples (`false` or "
+        here="send step N+1 while the agent runs step N (shortly before N is due to end, from each bucket's recent "
+             "step times, so that N+1 takes the prompts that arrived meanwhile), its decodes fed by the agent's own "
+             "last samples (`false` or "
              "`llm-serving --no-overlap`: one step at a time, for debugging and A/B). Greedy output is the same either way"),
     Key(S, "request_log", "request_log", str,
         here="a JSON-lines file, one line per ended request: arrival, first scheduled, inference begin/end, first token, "
