@@ -91,6 +91,8 @@ class LlamaModel(nn.Cell):
         proj = backend.projections(cfg, weights, 1.0 / math.sqrt(cfg.head_dim), self.norms, k)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
+        self.layer_op = backend.layer_op(k, proj)  # one op a layer but the last, or None: four
+        self.one_op_layers = self.layer_op is not None
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
@@ -126,6 +128,11 @@ class LlamaModel(nn.Cell):
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
+            if self.one_op_layers and i + 1 < self.cfg.num_layers:
+                x, qkv = self.layer_op(x, *self.attn.inputs(qkv, c, slots, self.k_cache[i], self.v_cache[i]),
+                                       self.norms.eps, *self.o.weights(i), *self.gate_up.weights(i),
+                                       *self.down.weights(i), *self.qkv.weights(i + 1))
+                continue
             attn = self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i], self.v_cache[i], i)
             x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(attn), i)
             delta = self.comm.reduce(self.down.swiglu_linear(gu, i))

@@ -101,7 +101,7 @@ int attention_then(Op *project, int nparam, void **params, int *ndims, int64_t *
 }  // namespace
 
 // The decoder layer's attention (fused.cpp's RopeAttention: rope, the KV cache write, paged
-// attention) and its output projection as one op: 4 ops a layer. Marked as writing memory (the
+// attention) and its output projection as one op: 4 ops a layer (decoder_layer.cpp chains them). Marked as writing memory (the
 // caches), as RopeAttention is. Inputs: RopeAttention's 9, then w (float blocks). Output: [n, N].
 extern "C" int RopeAttentionLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                    void *stream, void *extra) {
