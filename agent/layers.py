@@ -37,7 +37,8 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------ norms and element-wise parts
 class PlainNorms(nn.Cell):
-    """RMSNorm (its gain lives in the next weight) and SwiGLU in MindSpore primitives (any device)."""
+    """RMSNorm (its gain lives in the next weight), SwiGLU and the logits' log-sum-exp in MindSpore
+    primitives (any device)."""
 
     def __init__(self, eps: float, inner: int):
         super().__init__()
@@ -54,6 +55,10 @@ class PlainNorms(nn.Cell):
         gate, up = ops.split(gu, self.inner, 1)
         return ops.silu(gate) * up
 
+    def logsumexp(self, logits: Tensor) -> Tensor:
+        peak = logits.max(-1, keepdims=True)
+        return ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
+
 
 class NativeNorms(nn.Cell):
     """The same as one native op each (agent/kernels/fused.cpp): 4-5 MindSpore kernels fewer."""
@@ -61,7 +66,7 @@ class NativeNorms(nn.Cell):
     def __init__(self, eps: float, k: dict[str, Any]):
         super().__init__()
         self.eps = Tensor(np.array([eps], np.float32))
-        self.rms_op, self.add_rms_op, self.swiglu_op = k["rms"], k["add_rms"], k["swiglu"]
+        self.rms_op, self.add_rms_op, self.swiglu_op, self.lse_op = k["rms"], k["add_rms"], k["swiglu"], k["logsumexp"]
 
     def rms(self, x: Tensor) -> Tensor:
         return self.rms_op(x, self.eps)
@@ -71,6 +76,9 @@ class NativeNorms(nn.Cell):
 
     def swiglu(self, gu: Tensor) -> Tensor:
         return self.swiglu_op(gu)
+
+    def logsumexp(self, logits: Tensor) -> Tensor:
+        return self.lse_op(logits)
 
 
 # ------------------------------------------------------------------ projections

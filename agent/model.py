@@ -141,6 +141,4 @@ class LlamaModel(nn.Cell):
         _, h = self.norms.add_rms(x, delta)
         # h is the final norm of every token (its gain folded into the head); only sampling tokens go on.
         logits = self.comm.gather(self.head.linear(ops.gather(h, logit_rows, 0), 0))
-        peak = logits.max(-1, keepdims=True)
-        lse = ops.log(ops.exp(logits - peak).sum(-1)) + peak.reshape(-1)
-        return logits, lse
+        return logits, self.norms.logsumexp(logits)

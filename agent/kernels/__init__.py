@@ -141,6 +141,7 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
+        "logsumexp": custom("LogSumExp", lambda x: [x[0]], same),
         # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, then the weights
         "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[8][0] * a[8][2]],
                                                       same)),

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "rows.h"
 
 namespace {
@@ -147,4 +148,41 @@ extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **sh
   int64_t *as[7] = {qshape, shapes[5], shapes[6], shapes[7], shapes[8], shapes[3], shapes[9]};
   const char *at[7] = {"float32", dtypes[5], dtypes[6], dtypes[7], dtypes[8], dtypes[3], dtypes[9]};
   return PagedAttention(7, ap, ad, as, at, stream, extra);
+}
+
+namespace {
+
+// log(sum(exp(x))) of one row, shifted by its maximum (two passes over a row that stays in cache).
+float logsumexp_row(const float *x, int64_t v) {
+  float peak = x[0];  // not -inf: the kernels build with -ffinite-math-only
+  for (int64_t i = 1; i < v; ++i) peak = std::max(peak, x[i]);
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 p = _mm256_set1_ps(peak);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= v; i += 8) acc = _mm256_add_ps(acc, kernels::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), p)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#endif
+  for (; i < v; ++i) sum += std::exp(x[i] - peak);
+  return peak + std::log(sum);
+}
+
+}  // namespace
+
+// The log-sum-exp of every row of the logits (log-probabilities without a second pass over the
+// vocabulary): one op instead of MindSpore's max, sub, exp, sum, log and add, each a full pass
+// over [rows, vocab]. Input: logits [n, v]. Output: [n].
+extern "C" int LogSumExp(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                         void *extra) {
+  if (nparam != 2 || ndims[0] != 2 || !f32(dtypes[0])) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  float *y = static_cast<float *>(params[1]);
+  const int64_t n = shapes[0][0], v = shapes[0][1];
+  kernels::parallel_ranges(n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) y[r] = logsumexp_row(x + r * v, v);
+  });
+  return 0;
 }
