@@ -117,11 +117,11 @@ void quantize_row(const float *x, const float *g, int64_t k, Shape sh, bool offs
 }
 
 #if defined(__AVX2__)
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order sum_lanes adds in, so a row's result
+// has the same bits in any tile (batch 1 and batch N give the same tokens).
 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
 // out[o] = the sum of the 8 floats at f + 8o, for o < n: eight at a time by a transpose of pair sums

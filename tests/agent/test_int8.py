@@ -83,6 +83,19 @@ def test_kernel_stays_within_the_quantisation_bound_of_fp32(group):
     assert err.max() > 0  # it did quantise
 
 
+def test_a_row_gives_the_same_bits_alone_and_among_other_rows():
+    """A row's result must not depend on the rows computed with it (tiles of 3, 2 and 1 tokens, and
+    one channel at a time up to 4 tokens): batch 1 and batch N then give identical tokens."""
+    rng = np.random.default_rng(5)
+    k, n = 576, 48
+    rows = quantize(rng.standard_normal((n, k)).astype(np.float32), 64)
+    x = rng.standard_normal((10, k)).astype(np.float32)  # tiles of 3, 3, 2, 2 tokens
+    gain = np.ones(k, np.float32)
+    many = run_kernel(x, rows, gain)
+    for i in (0, 9):
+        np.testing.assert_array_equal(run_kernel(x[i:i + 1], rows, gain)[0], many[i])
+
+
 def test_q8_0_gguf_loads_as_stored(tmp_path):
     """Q8_0 tensors reach the model as their own int8 values and block scales (groups of 32), equal to
     the float loader's dequantisation; without int8 they load as float32."""
