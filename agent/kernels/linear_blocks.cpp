@@ -304,7 +304,9 @@ const char *const STREAM_ISA =
 template <typename W>
 int blocks_path(const float *x, int64_t m, int64_t k, int64_t blocks, const typename W::T *w, float *y) {
   std::atomic<int> status{0};
-  kernels::parallel_ranges(blocks, 1, [&](int64_t b, int64_t e) {
+  // Chunks of CB blocks, each thread's front to back, the late one's tail taken by the other. oneDNN's
+  // path below keeps one range a thread: its primitives are built per range shape during warm-up.
+  kernels::parallel_chunks(blocks, CB, [&](int64_t b, int64_t e) {
     if (m < ONEDNN_MIN_M) stream_blocks<W>(x, m, k, blocks * NB, w, y, b, e);
     else if (convert_blocks<W>(x, m, k, blocks * NB, w, y, b, e)) status.store(1);
   });

@@ -310,7 +310,8 @@ void gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *
     for (int64_t i = b; i < e; ++i)
       quantize_row(row(i, buf.data()), g, k, s, offset, &qx[i * s.kp], &sx[i * s.ng]);
   });
-  kernels::parallel_ranges(n, 16, [&](int64_t b, int64_t e) {
+  // One cache block a chunk: the last chunk is short, so the caller rarely waits on a worker.
+  kernels::parallel_chunks(n, NBLK, [&](int64_t b, int64_t e) {
     std::vector<int32_t> comp(offset ? NBLK * s.ng : 0);
     for (int64_t n0 = b; n0 < e; n0 += NBLK) {
       const int64_t n1 = std::min(e, n0 + NBLK);

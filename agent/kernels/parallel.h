@@ -118,4 +118,38 @@ void parallel_ranges(int64_t n, int64_t align, F fn) {
   });
 }
 
+// fn(begin, end) over [0, n) in chunks of `chunk`: each thread walks its own contiguous range
+// front to back (one stream for the prefetchers), and a thread done with its range takes chunks
+// from the back of the others'. A worker that starts late or runs slower then costs the caller
+// at most a chunk. Two fixed halves left a one-token int8 step (Zen 3) waiting ~0.9 ms for the
+// worker; chunks dealt round-robin to whoever was free balanced it but broke the streams (3-6% slower).
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, F fn) {
+  chunk = std::max<int64_t>(chunk, 1);
+  const int64_t chunks = (n + chunk - 1) / chunk, parts = std::max<int64_t>(1, std::min(pinned_cores(), chunks));
+  struct alignas(64) Range {
+    std::atomic<uint64_t> front_back;  // next chunk from the front << 32 | one past the last
+  };
+  std::vector<Range> ranges(parts);
+  for (int64_t p = 0; p < parts; ++p)
+    ranges[p].front_back.store(uint64_t(chunks * p / parts) << 32 | uint64_t(chunks * (p + 1) / parts));
+  // Takes a chunk from range r's front (its owner) or back (a thief); -1 when it is empty.
+  const auto take = [&](int64_t r, bool front) -> int64_t {
+    uint64_t fb = ranges[r].front_back.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = fb >> 32, b = fb & 0xffffffffu;
+      if (f >= b) return -1;
+      const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+      if (ranges[r].front_back.compare_exchange_weak(fb, next, std::memory_order_acq_rel))
+        return static_cast<int64_t>(front ? f : b - 1);
+    }
+  };
+  const auto run = [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); };
+  Pool::get().run(parts, [&](int64_t p) {
+    for (int64_t c; (c = take(p, true)) >= 0;) run(c);
+    for (int64_t q = 1; q < parts; ++q)
+      for (int64_t c; (c = take((p + q) % parts, false)) >= 0;) run(c);
+  });
+}
+
 }  // namespace kernels
