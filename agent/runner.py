@@ -19,6 +19,7 @@ import numpy as np
 from agent import kernels
 from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
+from agent.graph_call import GraphCall
 from agent.layers import Backend
 from agent.model import LlamaConfig, LlamaModel
 from agent.tensor_parallel import Group, shard
@@ -142,6 +143,7 @@ class ModelRunner:
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype)
         shard_cfg, weights = shard(model_cfg, weights, rc.tp, lib)  # tensor parallel: this rank's share
         self.model = LlamaModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
+        self.graph = GraphCall(self.model)
         self.rng = np.random.default_rng(seed)
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
@@ -160,9 +162,9 @@ class ModelRunner:
         self.compiled.add((tokens.shape[0], tables.shape[0], logit_rows.shape[0]))
         args = [Tensor(a) for a in (tokens, positions, slots, token_rows, tables, logit_rows)]
         if compile_only:  # build (or load) the graph without running it: 0.2-0.6 s less per graph
-            self.model.compile(*args)
+            self.graph.compile(*args)
             return np.empty(0), np.empty(0)
-        logits, lse = self.model(*args)
+        logits, lse = self.graph(*args)
         return logits.asnumpy(), lse.asnumpy()
 
     def forward(self, x: StepInputs, fed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

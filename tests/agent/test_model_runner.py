@@ -174,6 +174,20 @@ def test_request_alone_and_in_any_mix_gives_identical_tokens(runner16):
     assert runner16.graph_compiles == len(runner16.rc.graph_shapes())
 
 
+def test_built_graphs_run_without_the_cells_compile_check(runner16, monkeypatch):
+    """After warm-up every step goes to the graph executor under the phase recorded for its shape
+    (agent.graph_call), not through Cell.__call__ (~1 ms a step of argument-key checks)."""
+    want, _ = PagedDriver(runner16).run(PROMPTS, 4, collect_logits=False)
+
+    def refuse(*_):
+        raise AssertionError("a built graph went through Cell.__call__")
+
+    monkeypatch.setattr(type(runner16.model), "__call__", refuse)
+    got, _ = PagedDriver(runner16).run(PROMPTS, 4, collect_logits=False)
+    assert got == want
+    assert len(runner16.graph._phases) == len(runner16.rc.graph_shapes())
+
+
 def test_graph_set_is_two_graphs_per_large_token_bucket():
     rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, token_buckets=[128, 1, 16, 256, 64],
                       max_running=64)
