@@ -30,7 +30,7 @@ class ServingConfig:
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
     model_dtype: str = "float32"  # "bfloat16"/"float16": 16-bit projection weights; "int8": W8A8 (agent/layers.py)
-    kv_cache_dtype: str = "auto"  # ours (vLLM's): auto (the model's compute dtype), float32, bfloat16, float16
+    kv_cache_dtype: str = "auto"  # ours (vLLM's): auto (common.memory.kv_dtype_for), float32, bfloat16, float16
     quant_group_size: int = 64  # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 scales per row
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])

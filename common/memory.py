@@ -88,12 +88,16 @@ def _gguf_shape(path: Path) -> ModelShape:
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
-    """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16), else float32;
-    16-bit caches need the native kernels (else float32)."""
+    """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16); float16 with
+    int8 weights; else float32. 16-bit caches need the native kernels (else float32).
+
+    int8: a 64-row decode step reads the whole cache (at 192 keys of context 4x the weights' bytes),
+    so halving it made a SmolLM2 step at 128 keys 0.91x the time (Zen 3, same process, alternating);
+    perplexity +0.60% over fp32 against +0.77% with a float32 cache (eval_quant's 533 tokens)."""
     if not native:
         return "float32"
     if kv_cache_dtype == "auto":
-        return model_dtype if model_dtype in ("bfloat16", "float16") else "float32"
+        return {"bfloat16": "bfloat16", "float16": "float16", "int8": "float16"}.get(model_dtype, "float32")
     return kv_cache_dtype
 
 

@@ -51,7 +51,8 @@ namespace {
 
 // k and v are written in the KV cache's dtype: float32, bfloat16 bits (uint16) or float16.
 inline void put(float x, float *d) { *d = x; }
-inline void put(float x, _Float16 *d) { *d = static_cast<_Float16>(x); }
+// float16 saturates at its largest finite value: one outlier key must not become inf (NaN scores).
+inline void put(float x, _Float16 *d) { *d = static_cast<_Float16>(std::clamp(x, -65504.f, 65504.f)); }
 inline void put(float x, uint16_t *d) {  // bfloat16, rounded to nearest even
   uint32_t u;
   std::memcpy(&u, &x, 4);

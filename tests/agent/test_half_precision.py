@@ -135,6 +135,23 @@ def test_batch_one_equals_batch_four(bf16_runner):
         assert single[0] == batched[i]
 
 
+def test_float16_cache_saturates_instead_of_overflowing():
+    """A key or value past float16's range is stored as its largest finite value: an inf would make
+    every score of that head NaN (float16 is the int8 models' default cache)."""
+    import ctypes
+
+    lib = ctypes.CDLL(kernels.library())
+    hd = 8
+    qkv = np.zeros((1, 3 * hd), np.float32)  # one query head, one KV head
+    qkv[0, hd:2 * hd] = [1e6, -1e6, 1.5, 0, 0, 0, 0, 0]  # the key (cos 1, sin 0: written as is)
+    qkv[0, 2 * hd:] = [-7e4, 7e4, 2.0, 0, 0, 0, 0, 0]  # the value
+    cos, sin = np.ones((4, hd), np.float32), np.zeros((4, hd), np.float32)
+    kc, vc = np.zeros((2, 1, hd), np.float16), np.zeros((2, 1, hd), np.float16)
+    q = np.zeros((1, hd), np.float32)
+    assert _call(lib, "RopeCache", [qkv, cos, sin, np.zeros(1, np.int32), np.ones(1, np.int32), kc, vc, q]) == 0
+    assert kc[1, 0, :3].tolist() == [65504, -65504, 1.5] and vc[1, 0, :3].tolist() == [-65504, 65504, 2.0]
+
+
 def test_16_bit_kv_without_native_kernels_is_refused_clearly():
     from agent.layers import Backend
 
