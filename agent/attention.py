@@ -48,6 +48,11 @@ class NativeAttention(nn.Cell):
         """The attention inputs of agent/kernels/fused.cpp's RopeAttention, in its order."""
         return qkv, c[3], c[4], c[0], slots, k_cache, v_cache, c[1], c[2]
 
+    def shared(self, c: tuple, slots: Tensor) -> tuple:
+        """The inputs every layer's attention shares, in agent/kernels/decoder_stack.cpp's order:
+        cos and sin tables, positions, slots, context slots, token rows."""
+        return c[3], c[4], c[0], slots, c[1], c[2]
+
 
 class PlainAttention(nn.Cell):
     def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):

@@ -134,11 +134,12 @@ class PlainLinear(Projection):
 class NativeLinear(Projection):
     """A projection on a native op (`op_name`), with the norm, SwiGLU or attention feeding it fused
     into its op (`fused`; agent/kernels/fused_linear.cpp and linear_int8.cpp): 4 ops a layer, which
-    agent/kernels/decoder_layer.cpp runs as one (`layer_op_name`) where the model allows it."""
+    agent/kernels/decoder_stack.cpp runs for every layer in one op (`stack_op_name`) where the
+    model allows it."""
 
     op_name = ""
     fused = ("", "", "")
-    layer_op_name = ""  # the whole decoder layer as one op (agent/kernels/decoder_layer.cpp)
+    stack_op_name = ""  # every decoder layer as one op (agent/kernels/decoder_stack.cpp)
 
     def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
         super().__init__(norms, layers, k, width)
@@ -149,6 +150,10 @@ class NativeLinear(Projection):
         """Layer i's weight inputs, as this class's ops take them."""
         raise NotImplementedError
 
+    def every_layer(self) -> tuple:
+        """Every layer's weight inputs, input by input (the stack op's layout)."""
+        raise NotImplementedError
+
 
 class F32Linear(NativeLinear):
     """fp32 weights in column blocks [N/64, K, 64] (agent/kernels/linear_blocks.cpp): a streaming
@@ -157,7 +162,7 @@ class F32Linear(NativeLinear):
 
     op_name = "linear_blocks"
     fused = ("add_rms_linear", "swiglu_linear", "rope_attention_linear")
-    layer_op_name = "decoder_layer"
+    stack_op_name = "decoder_stack"
 
     @staticmethod
     def convert(mat: np.ndarray) -> np.ndarray:
@@ -180,6 +185,9 @@ class F32Linear(NativeLinear):
 
     def weights(self, i: int) -> tuple:
         return (self.w0[i],)
+
+    def every_layer(self) -> tuple:
+        return self.w0
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.out(self.op(x, self.w0[i]))
@@ -221,7 +229,7 @@ class Int8Linear(NativeLinear):
 
     op_name = "linear_i8"
     fused = ("add_rms_linear_i8", "swiglu_linear_i8", "rope_attention_linear_i8")
-    layer_op_name = "decoder_layer_i8"
+    stack_op_name = "decoder_stack_i8"
 
     @staticmethod
     def stored(prepared: tuple[Int8Rows, np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -230,6 +238,9 @@ class Int8Linear(NativeLinear):
 
     def weights(self, i: int) -> tuple:
         return self.w0[i], self.w1[i], self.w2[i]
+
+    def every_layer(self) -> tuple:
+        return self.w0 + self.w1 + self.w2
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.op(x, self.w0[i], self.w1[i], self.w2[i])
@@ -327,14 +338,14 @@ class Backend:
         padded = self.head_width(cfg) * self.tp_size
         return ShmCollectives(k, cfg.vocab_size, padded) if self.lib else CommCollectives(self.tp_size, cfg.vocab_size, padded)
 
-    def layer_op(self, k: dict[str, Any], proj: dict[str, Projection]) -> Any:
-        """The op that runs a whole decoder layer, or None where layers keep four ops: the plain
+    def stack_op(self, k: dict[str, Any], proj: dict[str, Projection]) -> Any:
+        """The op that runs every decoder layer, or None where layers keep four ops: the plain
         path, tensor parallel (partial sums are combined between a layer's parts), float weights
         padded to whole blocks (the padding would have to be cut between the parts)."""
         layers = [proj[n] for n in ("qkv", "o", "gate_up", "down")]
         if self.lib is None or self.tp_size > 1 or any(getattr(p, "padded", False) for p in layers):
             return None
-        return k[layers[0].layer_op_name]
+        return k[layers[0].stack_op_name]
 
     def head_width(self, cfg: Any) -> int:
         """This rank's share of the vocabulary (padded to equal shares)."""

@@ -91,8 +91,8 @@ class LlamaModel(nn.Cell):
         proj = backend.projections(cfg, weights, 1.0 / math.sqrt(cfg.head_dim), self.norms, k)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
-        self.layer_op = backend.layer_op(k, proj)  # one op a layer but the last, or None: four
-        self.one_op_layers = self.layer_op is not None
+        self.stack_op = backend.stack_op(k, proj)  # every decoder layer in one op, or None: four a layer
+        self.one_op_stack = self.stack_op is not None
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
@@ -125,20 +125,25 @@ class LlamaModel(nn.Cell):
         log-probabilities without a second pass over the vocabulary)."""
         c = self.attn.context(positions, token_rows, block_tables, self.cos_table, self.sin_table)
         x = ops.gather(self.embed, tokens, 0)
+        if self.one_op_stack:
+            h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, *self.k_cache, *self.v_cache,
+                              *self.qkv.every_layer(), *self.o.every_layer(), *self.gate_up.every_layer(),
+                              *self.down.every_layer())
+        else:
+            h = self.four_op_layers(x, c, slots)
+        # h is the final norm of every token (its gain folded into the head); only sampling tokens go on.
+        logits = self.comm.gather(self.head.linear(ops.gather(h, logit_rows, 0), 0))
+        return logits, self.norms.logsumexp(logits)
+
+    def four_op_layers(self, x: Tensor, c: tuple, slots: Tensor) -> Tensor:
+        """The decoder layers as four ops each, where no stack op runs them: the final norm of the
+        last layer's output."""
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
-            if self.one_op_layers and i + 1 < self.cfg.num_layers:
-                x, qkv = self.layer_op(x, *self.attn.inputs(qkv, c, slots, self.k_cache[i], self.v_cache[i]),
-                                       self.norms.eps, *self.o.weights(i), *self.gate_up.weights(i),
-                                       *self.down.weights(i), *self.qkv.weights(i + 1))
-                continue
             attn = self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i], self.v_cache[i], i)
             x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(attn), i)
             delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
             if i + 1 < self.cfg.num_layers:
                 x, qkv = self.qkv.add_norm_linear(x, delta, i + 1)
-        _, h = self.norms.add_rms(x, delta)
-        # h is the final norm of every token (its gain folded into the head); only sampling tokens go on.
-        logits = self.comm.gather(self.head.linear(ops.gather(h, logit_rows, 0), 0))
-        return logits, self.norms.logsumexp(logits)
+        return self.norms.add_rms(x, delta)[1]

@@ -160,7 +160,8 @@ class ModelRunner:
         from mindspore import Tensor
 
         self.compiled.add((tokens.shape[0], tables.shape[0], logit_rows.shape[0]))
-        args = [Tensor(a) for a in (tokens, positions, slots, token_rows, tables, logit_rows)]
+        # Wrapped, not copied (the arrays are this call's own): 10 against 93 us for the six (Zen 3).
+        args = [Tensor.from_numpy(a) for a in (tokens, positions, slots, token_rows, tables, logit_rows)]
         if compile_only:  # build (or load) the graph without running it: 0.2-0.6 s less per graph
             self.graph.compile(*args)
             return np.empty(0), np.empty(0)

@@ -116,7 +116,7 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
     blocks; int8), alone or fused with what feeds them: the norm, SwiGLU, or the layer's attention
     (rope writing the step's keys and values into the cache, then paged attention reading it by
-    slot); a whole decoder layer as one op; RMSNorm / SwiGLU each as one op instead of 4-5; the tensor-parallel collectives over
+    slot); every decoder layer as one op; RMSNorm / SwiGLU each as one op instead of 4-5; the tensor-parallel collectives over
     shared memory (`tp_size` ranks)."""
     from mindspore import ops
 
@@ -147,9 +147,9 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
                                                       same)),
         "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[8][0]],
                                                          same)),
-        # inputs: x, RopeAttention's 9, eps, the weights of o, gate|up, down and the next layer's Q|K|V
-        "decoder_layer": writes_memory(custom("DecoderLayer", lambda x, *a: (x, [x[0], a[-1][0] * a[-1][2]]), pair)),
-        "decoder_layer_i8": writes_memory(custom("DecoderLayerInt8", lambda x, *a: (x, [x[0], a[-3][0]]), pair)),
+        # inputs: x, the attention's shared 6, eps, every layer's K and V caches, then every layer's weights
+        "decoder_stack": writes_memory(custom("DecoderStack", same, same)),
+        "decoder_stack_i8": writes_memory(custom("DecoderStackInt8", same, same)),
         "all_reduce": custom("AllReduce", same, same),
         "all_gather": custom("AllGather", lambda x: [x[0], x[1] * tp_size], same),
     }

@@ -1,0 +1,146 @@
+// Every decoder layer of the model as one MindSpore op: per layer, the four fused ops of
+// fused_linear.cpp / linear_int8.cpp (attention + output projection, residual add + RMSNorm +
+// gate|up, SwiGLU + down, residual add + RMSNorm + the next layer's Q|K|V) called in turn,
+// intermediates in this thread's buffers. The graph around it is then ~8 ops, not ~35:
+// - building a graph is per op and per input node (the unrolled 30-layer SmolLM2 graph took ~3.4 s,
+//   25 of them at start);
+// - each step pays MindSpore ~7 us an op launch (no-op custom ops, 30 against 1, Zen 3).
+// Tensor-parallel ranks (their partial sums are combined between the parts) and float weights
+// padded to whole blocks keep four ops a layer.
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using Op = int(int, void **, int *, int64_t **, const char **, void *, void *);
+constexpr int MAX_ARGS = 16;
+
+// One call's argument lists, filled in order.
+struct Args {
+  void *p[MAX_ARGS];
+  int d[MAX_ARGS];
+  int64_t *s[MAX_ARGS];
+  const char *t[MAX_ARGS];
+  int n = 0;
+
+  void add(void *ptr, int ndim, int64_t *shape, const char *dtype) {
+    p[n] = ptr, d[n] = ndim, s[n] = shape, t[n] = dtype, ++n;
+  }
+  void take(void **params, int *ndims, int64_t **shapes, const char **dtypes, int i) {
+    add(params[i], ndims[i], shapes[i], dtypes[i]);
+  }
+  int run(Op *op, void *stream, void *extra) { return op(n, p, d, s, t, stream, extra); }
+};
+
+// Inputs, in order: x [n, H]; cos and sin tables, positions, slots, context slots, token rows (the
+// attention's shared inputs); eps [1]; L key caches; L value caches; then the weights of Q|K|V, o,
+// gate|up and down, `per` inputs each per layer, kind by kind and layer by layer within an input
+// (`per`: 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g). Output: the final
+// RMSNorm of the last layer's output [n, H] (its gain is folded into the LM head).
+constexpr int COS = 1, SIN = 2, POSITIONS = 3, SLOTS = 4, CONTEXT = 5, ROWS = 6, EPS = 7, CACHES = 8;
+
+struct Stack {
+  int per, layers;
+  void **params;
+  int *ndims;
+  int64_t **shapes;
+  const char **dtypes;
+
+  // Input index of input `j` of weight `kind` (0 Q|K|V, 1 o, 2 gate|up, 3 down) of layer i.
+  int weight(int kind, int j, int i) const { return CACHES + 2 * layers + (kind * per + j) * layers + i; }
+  void weights(Args &a, int kind, int i) const {
+    for (int j = 0; j < per; ++j) a.take(params, ndims, shapes, dtypes, weight(kind, j, i));
+  }
+  int64_t width(int kind) const {  // output columns of a weight of this kind
+    const int64_t *s = shapes[weight(kind, 0, 0)];
+    return per == 1 ? s[0] * s[2] : s[0];
+  }
+};
+
+int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_linear, Op *add_rms, int nparam,
+                  void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra) {
+  const int inputs = nparam - 1, per_layer = 2 + 4 * per;
+  if (ndims[0] != 2 || inputs <= CACHES || (inputs - CACHES) % per_layer) return 1;
+  const Stack st{per, (inputs - CACHES) / per_layer, params, ndims, shapes, dtypes};
+  const int64_t n = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
+  if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
+  thread_local std::vector<float> x, mid, attn, gu, delta, qkv;
+  delta.assign(n * h, 0.f);  // layer 0 adds nothing: the embeddings, their norm and Q|K|V in one call
+  x.resize(n * h), mid.resize(n * h), attn.resize(n * h), gu.resize(n * ngu), qkv.resize(n * nqkv);
+  int64_t hs[2] = {n, h}, gs[2] = {n, ngu}, qs[2] = {n, nqkv};
+  float *in = static_cast<float *>(params[0]);
+  auto f32 = [](std::vector<float> &v) { return static_cast<void *>(v.data()); };
+
+  Args first;  // the embeddings, their norm, layer 0's Q|K|V
+  first.add(in, 2, hs, "float32");
+  first.add(f32(delta), 2, hs, "float32");
+  first.take(params, ndims, shapes, dtypes, EPS);
+  st.weights(first, 0, 0);
+  first.add(f32(x), 2, hs, "float32");
+  first.add(f32(qkv), 2, qs, "float32");
+  if (int rc = first.run(add_rms_linear, stream, extra)) return rc;
+
+  for (int i = 0; i < st.layers; ++i) {
+    Args a;  // attention, output projection: RopeAttention's 9 inputs (qkv first), o, the output
+    a.add(f32(qkv), 2, qs, "float32");
+    for (int k : {COS, SIN, POSITIONS, SLOTS}) a.take(params, ndims, shapes, dtypes, k);
+    a.take(params, ndims, shapes, dtypes, CACHES + i);
+    a.take(params, ndims, shapes, dtypes, CACHES + st.layers + i);
+    for (int k : {CONTEXT, ROWS}) a.take(params, ndims, shapes, dtypes, k);
+    st.weights(a, 1, i);
+    a.add(f32(attn), 2, hs, "float32");
+    if (int rc = a.run(attention_linear, stream, extra)) return rc;
+
+    Args b;  // x + attention, its norm, gate|up
+    b.add(f32(x), 2, hs, "float32");
+    b.add(f32(attn), 2, hs, "float32");
+    b.take(params, ndims, shapes, dtypes, EPS);
+    st.weights(b, 2, i);
+    b.add(f32(mid), 2, hs, "float32");
+    b.add(f32(gu), 2, gs, "float32");
+    if (int rc = b.run(add_rms_linear, stream, extra)) return rc;
+
+    Args c;  // SwiGLU, down
+    c.add(f32(gu), 2, gs, "float32");
+    st.weights(c, 3, i);
+    c.add(f32(delta), 2, hs, "float32");
+    if (int rc = c.run(swiglu_linear, stream, extra)) return rc;
+
+    Args d;  // + MLP, its norm, and the next layer's Q|K|V or (last layer) the op's output
+    d.add(f32(mid), 2, hs, "float32");
+    d.add(f32(delta), 2, hs, "float32");
+    d.take(params, ndims, shapes, dtypes, EPS);
+    if (i + 1 == st.layers) {
+      d.add(f32(x), 2, hs, "float32");
+      d.take(params, ndims, shapes, dtypes, nparam - 1);
+      return d.run(add_rms, stream, extra);
+    }
+    st.weights(d, 0, i + 1);
+    d.add(f32(x), 2, hs, "float32");
+    d.add(f32(qkv), 2, qs, "float32");
+    if (int rc = d.run(add_rms_linear, stream, extra)) return rc;
+  }
+  return 1;  // no layers
+}
+
+}  // namespace
+
+extern "C" {
+Op RopeAttentionLinear, AddRmsLinear, SwiGluLinear, RopeAttentionLinearInt8, AddRmsLinearInt8, SwiGluLinearInt8,
+    AddRmsNorm;
+
+// Float weight blocks (fp32, bf16, f16). Marked as writing memory (the KV caches), as
+// RopeAttentionLinear is.
+int DecoderStack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                 void *extra) {
+  return decoder_stack(1, RopeAttentionLinear, AddRmsLinear, SwiGluLinear, AddRmsNorm, nparam, params, ndims, shapes,
+                       dtypes, stream, extra);
+}
+
+// int8 weights: qw, sw, g for each.
+int DecoderStackInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                     void *extra) {
+  return decoder_stack(3, RopeAttentionLinearInt8, AddRmsLinearInt8, SwiGluLinearInt8, AddRmsNorm, nparam, params,
+                       ndims, shapes, dtypes, stream, extra);
+}
+}
