@@ -182,11 +182,20 @@ def serve(args: argparse.Namespace, cfg: ServingConfig, http: socket.socket, eng
             _demo(url, cfg.model_name, keys[0] if keys else None)
 
     threading.Thread(target=announce, daemon=True).start()
+    handle_exit = server.handle_exit  # uvicorn's, installed for SIGINT/SIGTERM while it runs
+
+    def on_signal(sig: int, frame: Any) -> None:
+        engine.stopping()
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_signal
     reaped = threading.Event()
     threading.Thread(target=_reap, args=(procs, reaped), name="reaper", daemon=True).start()
-    # uvicorn re-raises SIGTERM after its graceful shutdown; with a Python handler in place that
-    # becomes SystemExit, so the cleanup below (unlinking shared memory, stopping agents) runs.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # uvicorn re-raises SIGTERM / SIGINT after its graceful shutdown; with a Python handler in place
+    # that becomes SystemExit (not a KeyboardInterrupt traceback on Ctrl-C), so the cleanup below
+    # (unlinking shared memory, stopping agents) runs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _: sys.exit(128 + s))
     try:
         server.run(sockets=[http])
     finally:

@@ -70,6 +70,12 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self.inbox.put(Abort(request_id))
 
+    def stopping(self) -> None:
+        """The server got its stop signal. A signal to the whole process group (Ctrl-C in a
+        terminal, `timeout`) reaches the agents too, and they exit while the HTTP server finishes
+        its requests: they are not restarted then."""
+        self.supervisor.stopping = True
+
     def shutdown(self) -> None:
         self._stop.set()
         self.inbox.put(Wake())

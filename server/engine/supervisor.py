@@ -37,6 +37,7 @@ class Supervisor:
                  inbox: queue.Queue[Message], stop: threading.Event, metrics: Metrics):
         self.cfg, self.lanes, self.requests, self.restart = cfg, lanes, requests, restart
         self.inbox, self.stop, self.metrics = inbox, stop, metrics
+        self.stopping = False  # the server is shutting down: an agent that dies now stays down
 
     # ------------------------------------------------------------ routing
     def open_lanes(self) -> list[AgentLane]:
@@ -52,7 +53,10 @@ class Supervisor:
     # ------------------------------------------------------------ failures (engine thread)
     def lane_down(self, lane: AgentLane, why: str, kill: bool = True) -> None:
         """Take a lane down (restarting it if allowed) and re-home its requests."""
-        log.error("agent %d: %s", lane.index, why)
+        if self.stopping:
+            log.info("agent %d: %s while the server stops", lane.index, why)
+        else:
+            log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
         seqs = lane.go_down(why, time.monotonic(), kill)
         lane.reattach = not kill
@@ -61,7 +65,7 @@ class Supervisor:
             lane.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
             log.error("agent %d: %s", lane.index, lane.why)
             self._await_launcher(lane)
-        elif self.restart is not None and not lane.backoff.exhausted:
+        elif self.restart is not None and not lane.backoff.exhausted and not self.stopping:
             self._restart(lane)
         else:
             lane.state = LaneState.FAILED

@@ -4,10 +4,13 @@ cannot honour refused, bounded token-id prompts and chunked bodies, and one-line
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -174,3 +177,19 @@ def test_the_contest_yaml_and_ours_still_load(tmp_path):
     doc["serving_config"]["overlap_steps"] = "False"  # the original clients' string booleans
     (tmp_path / "strbool.yaml").write_text(yaml.safe_dump(doc))
     assert load_config(tmp_path / "strbool.yaml").overlap_steps is False
+
+
+def test_ctrl_c_stops_the_server_and_its_agents_without_restarts(server):
+    """Ctrl-C in a terminal (and `timeout`) signals the whole process group: the agents exit while
+    the server finishes its requests. None is restarted, and no traceback is printed. Runs last:
+    it stops this module's server."""
+    agents = server.agent_pids()
+    assert agents
+    os.killpg(server.proc.pid, signal.SIGINT)
+    assert server.proc.wait(30) == 128 + signal.SIGINT
+    log = server.log.read_text()
+    assert "restart" not in log and "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in agents) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in agents)
