@@ -82,18 +82,46 @@ class NativeNorms(nn.Cell):
 
 
 # ------------------------------------------------------------------ projections
-class Projection(nn.Cell):
-    """x @ W_i for layer i of one projection kind. `layers`: per layer, the arrays `stored` made."""
+LAYER_KINDS = ("qkv", "o", "gate_up", "down")
 
-    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
+
+class LayerWeights:
+    """One projection kind's arrays (as `Projection.stored` makes them), collected layer by layer
+    into Parameters: a ParameterTuple of every layer's own per array, or (`stacked`) one Parameter
+    [layers, ...] per array, filled in place: a CPU Parameter shares its memory with `asnumpy()`,
+    so neither way holds a second full copy of the kind."""
+
+    def __init__(self, name: str, layers: int, stacked: bool):
+        self.name, self.layers, self.stacked = name, layers, stacked
+        self.slots: list[Any] = []
+
+    def add(self, i: int, arrays: tuple[np.ndarray, ...]) -> None:
+        if not self.slots:
+            self.slots = [param(f"{self.name}_{s}", np.zeros((self.layers, *a.shape), a.dtype)) if self.stacked
+                          else [] for s, a in enumerate(arrays)]
+        for s, a in enumerate(arrays):
+            if self.stacked:
+                view = self.slots[s].asnumpy()
+                if not np.shares_memory(view, self.slots[s].asnumpy()):  # a MindSpore that copies here
+                    raise RuntimeError("Parameter.asnumpy() returned a copy: stacked weights cannot be filled")
+                view[i] = a
+            else:
+                self.slots[s].append(param(f"{self.name}{i}_{s}", a))
+
+    def parameters(self) -> list[Any]:
+        return [p if self.stacked else ms.ParameterTuple(p) for p in self.slots]
+
+
+class Projection(nn.Cell):
+    """x @ W_i for layer i of one projection kind. `weights`: per array `stored` makes, every
+    layer's as a ParameterTuple, or stacked in one Parameter [layers, ...] (`stacked`: the stack op
+    takes them so; the four-op path indexes layers)."""
+
+    def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
         super().__init__()
         self.norms = norms
-        for slot in range(len(layers[0])):
-            setattr(self, f"w{slot}", ms.ParameterTuple([p[slot] for p in layers]))
-
-    @classmethod
-    def params(cls, name: str, i: int, prepared: Any) -> tuple[Parameter, ...]:
-        return tuple(param(f"{name}{i}_{s}", a) for s, a in enumerate(cls.stored(prepared)))
+        for slot, w in enumerate(weights):
+            setattr(self, f"w{slot}", w)
 
     @staticmethod
     def stored(prepared: Any) -> tuple[np.ndarray, ...]:
@@ -123,8 +151,8 @@ class PlainLinear(Projection):
     def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
         return (np.ascontiguousarray(mat, np.float32),)
 
-    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
-        super().__init__(norms, layers, k, width)
+    def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
+        super().__init__(norms, weights, k, width)
         self.matmul_t = ops.MatMul(transpose_b=True)
 
     def linear(self, x: Tensor, i: int) -> Tensor:
@@ -141,8 +169,8 @@ class NativeLinear(Projection):
     fused = ("", "", "")
     stack_op_name = ""  # every decoder layer as one op (agent/kernels/decoder_stack.cpp)
 
-    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
-        super().__init__(norms, layers, k, width)
+    def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
+        super().__init__(norms, weights, k, width)
         self.op = k[self.op_name]
         self.add_rms_op, self.swiglu_op, self.attn_op = (k[name] for name in self.fused)
 
@@ -151,7 +179,7 @@ class NativeLinear(Projection):
         raise NotImplementedError
 
     def every_layer(self) -> tuple:
-        """Every layer's weight inputs, input by input (the stack op's layout)."""
+        """The stacked weights, input by input (the stack op's layout)."""
         raise NotImplementedError
 
 
@@ -175,10 +203,10 @@ class F32Linear(NativeLinear):
         blocks = cls.convert(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
         return (np.ascontiguousarray(blocks.reshape(-1, BF16_BLOCK, k).transpose(0, 2, 1)),)
 
-    def __init__(self, norms: nn.Cell, layers: list[tuple[Parameter, ...]], k: dict[str, Any], width: int):
-        super().__init__(norms, layers, k, width)
+    def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
+        super().__init__(norms, weights, k, width)
         self.width = width
-        self.padded = layers[0][0].shape[0] * BF16_BLOCK != width
+        self.padded = width % BF16_BLOCK != 0
 
     def out(self, y: Tensor) -> Tensor:
         return y[:, :self.width] if self.padded else y
@@ -187,7 +215,7 @@ class F32Linear(NativeLinear):
         return (self.w0[i],)
 
     def every_layer(self) -> tuple:
-        return self.w0
+        return (self.w0,)
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.out(self.op(x, self.w0[i]))
@@ -240,7 +268,7 @@ class Int8Linear(NativeLinear):
         return self.w0[i], self.w1[i], self.w2[i]
 
     def every_layer(self) -> tuple:
-        return self.w0 + self.w1 + self.w2
+        return self.w0, self.w1, self.w2
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.op(x, self.w0[i], self.w1[i], self.w2[i])
@@ -338,14 +366,24 @@ class Backend:
         padded = self.head_width(cfg) * self.tp_size
         return ShmCollectives(k, cfg.vocab_size, padded) if self.lib else CommCollectives(self.tp_size, cfg.vocab_size, padded)
 
-    def stack_op(self, k: dict[str, Any], proj: dict[str, Projection]) -> Any:
-        """The op that runs every decoder layer, or None where layers keep four ops: the plain
-        path, tensor parallel (partial sums are combined between a layer's parts), float weights
-        padded to whole blocks (the padding would have to be cut between the parts)."""
-        layers = [proj[n] for n in ("qkv", "o", "gate_up", "down")]
-        if self.lib is None or self.tp_size > 1 or any(getattr(p, "padded", False) for p in layers):
-            return None
-        return k[layers[0].stack_op_name]
+    def one_op(self, cfg: Any) -> bool:
+        """Whether one op runs every decoder layer (agent/kernels/decoder_stack.cpp), taking each
+        kind's weights and the KV caches stacked. Not on the plain path, tensor parallel (partial
+        sums are combined between a layer's parts) or float weights padded to whole blocks (the
+        padding would have to be cut between the parts)."""
+        if self.lib is None or self.tp_size > 1:
+            return False
+        widths = self.widths(cfg)
+        return self.dtype == "int8" or all(widths[n] % BF16_BLOCK == 0 for n in LAYER_KINDS)
+
+    def stack_op(self, cfg: Any, k: dict[str, Any]) -> Any:
+        """The op that runs every decoder layer, or None where layers keep four ops (`one_op`)."""
+        return k[self.projection_cls.stack_op_name] if self.one_op(cfg) else None
+
+    def widths(self, cfg: Any) -> dict[str, int]:
+        """Output columns of each projection kind on this rank."""
+        return {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
+                "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": self.head_width(cfg)}
 
     def head_width(self, cfg: Any) -> int:
         """This rank's share of the vocabulary (padded to equal shares)."""
@@ -368,16 +406,17 @@ class Backend:
         """qkv, o, gate_up, down and head, converted one layer at a time (a large model never holds a
         second full copy)."""
         cls = self.projection_cls
-        layers: dict[str, list] = {}
+        stacked = self.one_op(cfg)
+        kinds = {name: LayerWeights(name, cfg.num_layers, stacked) for name in LAYER_KINDS}
         for i, layer in enumerate(self._prepared(cfg, w, attn_scale)):
             for name, prep in layer.items():
-                layers.setdefault(name, []).append(cls.params(name, i, prep))
+                kinds[name].add(i, cls.stored(prep))
         head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group)
+        kinds["head"] = LayerWeights("head", 1, False)
         # int8 applies the final norm's gain where it quantises; float weights fold it into the head
-        layers["head"] = [cls.params("head", 0, (head, gain) if self.dtype == "int8" else head * gain[None, :])]
-        widths = {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
-                  "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": self.head_width(cfg)}
-        return {name: cls(norms, ls, k, widths[name]) for name, ls in layers.items()}
+        kinds["head"].add(0, cls.stored((head, gain) if self.dtype == "int8" else head * gain[None, :]))
+        widths = self.widths(cfg)
+        return {name: cls(norms, lw.parameters(), k, widths[name]) for name, lw in kinds.items()}
 
     def _prepared(self, cfg: Any, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
         if self.dtype == "int8":

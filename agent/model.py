@@ -91,14 +91,17 @@ class LlamaModel(nn.Cell):
         proj = backend.projections(cfg, weights, 1.0 / math.sqrt(cfg.head_dim), self.norms, k)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
-        self.stack_op = backend.stack_op(k, proj)  # every decoder layer in one op, or None: four a layer
+        self.stack_op = backend.stack_op(cfg, k)  # every decoder layer in one op, or None: four a layer
         self.one_op_stack = self.stack_op is not None
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
         shape, kv_type = (num_slots, cfg.num_kv_heads, cfg.head_dim), KV_DTYPES[backend.kv_dtype]
-        self.k_cache = ms.ParameterTuple([param(f"k_cache{i}", np.zeros(shape, kv_type)) for i in range(cfg.num_layers)])
-        self.v_cache = ms.ParameterTuple([param(f"v_cache{i}", np.zeros(shape, kv_type)) for i in range(cfg.num_layers)])
+        if self.one_op_stack:  # every layer's cache in one Parameter, as the stack op takes them
+            self.k_cache, self.v_cache = (param(f"{kv}_cache", np.zeros((cfg.num_layers, *shape), kv_type)) for kv in "kv")
+        else:
+            self.k_cache, self.v_cache = (ms.ParameterTuple([param(f"{kv}_cache{i}", np.zeros(shape, kv_type))
+                                                             for i in range(cfg.num_layers)]) for kv in "kv")
 
     @property
     def weight_bytes(self) -> int:
@@ -126,7 +129,7 @@ class LlamaModel(nn.Cell):
         c = self.attn.context(positions, token_rows, block_tables, self.cos_table, self.sin_table)
         x = ops.gather(self.embed, tokens, 0)
         if self.one_op_stack:
-            h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, *self.k_cache, *self.v_cache,
+            h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, self.k_cache, self.v_cache,
                               *self.qkv.every_layer(), *self.o.every_layer(), *self.gate_up.every_layer(),
                               *self.down.every_layer())
         else:

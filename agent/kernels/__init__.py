@@ -147,7 +147,7 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
                                                       same)),
         "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[8][0]],
                                                          same)),
-        # inputs: x, the attention's shared 6, eps, every layer's K and V caches, then every layer's weights
+        # inputs: x, the attention's shared 6, eps, the K and V caches, each kind's weights: every layer's stacked
         "decoder_stack": writes_memory(custom("DecoderStack", same, same)),
         "decoder_stack_i8": writes_memory(custom("DecoderStackInt8", same, same)),
         "all_reduce": custom("AllReduce", same, same),

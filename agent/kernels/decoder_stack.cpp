@@ -5,9 +5,12 @@
 // - building a graph is per op and per input node (the unrolled 30-layer SmolLM2 graph took ~3.4 s,
 //   25 of them at start);
 // - each step pays MindSpore ~7 us an op launch (no-op custom ops, 30 against 1, Zen 3).
+// - each input costs a step ~0.8 us too, so every layer's weights of a kind, and its K and V
+//   caches, come stacked in one tensor [layers, ...] each: ~14-22 inputs, not 188 (fp32) or 428 (int8).
 // Tensor-parallel ranks (their partial sums are combined between the parts) and float weights
 // padded to whole blocks keep four ops a layer.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -33,35 +36,58 @@ struct Args {
 };
 
 // Inputs, in order: x [n, H]; cos and sin tables, positions, slots, context slots, token rows (the
-// attention's shared inputs); eps [1]; L key caches; L value caches; then the weights of Q|K|V, o,
-// gate|up and down, `per` inputs each per layer, kind by kind and layer by layer within an input
-// (`per`: 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g). Output: the final
-// RMSNorm of the last layer's output [n, H] (its gain is folded into the LM head).
-constexpr int COS = 1, SIN = 2, POSITIONS = 3, SLOTS = 4, CONTEXT = 5, ROWS = 6, EPS = 7, CACHES = 8;
+// attention's shared inputs); eps [1]; the key caches [L, S, kv, hd]; the value caches; then the
+// weights of Q|K|V, o, gate|up and down, `per` inputs each, every layer's stacked [L, ...] (`per`:
+// 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g). Output: the final RMSNorm of
+// the last layer's output [n, H] (its gain is folded into the LM head).
+constexpr int COS = 1, SIN = 2, POSITIONS = 3, SLOTS = 4, CONTEXT = 5, ROWS = 6, EPS = 7, K_CACHE = 8, V_CACHE = 9,
+              WEIGHTS = 10;
+
+int64_t element_bytes(const char *dtype) {
+  for (const char *t : {"float32", "int32"})
+    if (!std::strcmp(dtype, t)) return 4;
+  for (const char *t : {"float16", "uint16", "bfloat16"})
+    if (!std::strcmp(dtype, t)) return 2;
+  return !std::strcmp(dtype, "int8") ? 1 : 0;
+}
 
 struct Stack {
-  int per, layers;
+  int per;
+  int64_t layers;
   void **params;
   int *ndims;
   int64_t **shapes;
   const char **dtypes;
 
-  // Input index of input `j` of weight `kind` (0 Q|K|V, 1 o, 2 gate|up, 3 down) of layer i.
-  int weight(int kind, int j, int i) const { return CACHES + 2 * layers + (kind * per + j) * layers + i; }
-  void weights(Args &a, int kind, int i) const {
-    for (int j = 0; j < per; ++j) a.take(params, ndims, shapes, dtypes, weight(kind, j, i));
+  // Whether every stacked input has `layers` slices of a known element type.
+  bool valid(int inputs) const {
+    for (int in = K_CACHE; in < inputs; ++in)
+      if (ndims[in] < 2 || shapes[in][0] != layers || !element_bytes(dtypes[in])) return false;
+    return true;
+  }
+  // Layer i's slice of stacked input `in`, as the next argument of a call.
+  void slice(Args &a, int in, int64_t i) const {
+    int64_t size = element_bytes(dtypes[in]);
+    for (int d = 1; d < ndims[in]; ++d) size *= shapes[in][d];
+    a.add(static_cast<char *>(params[in]) + i * size, ndims[in] - 1, shapes[in] + 1, dtypes[in]);
+  }
+  // Input index of input `j` of weight `kind` (0 Q|K|V, 1 o, 2 gate|up, 3 down).
+  int weight(int kind, int j) const { return WEIGHTS + kind * per + j; }
+  void weights(Args &a, int kind, int64_t i) const {
+    for (int j = 0; j < per; ++j) slice(a, weight(kind, j), i);
   }
   int64_t width(int kind) const {  // output columns of a weight of this kind
-    const int64_t *s = shapes[weight(kind, 0, 0)];
+    const int64_t *s = shapes[weight(kind, 0)] + 1;
     return per == 1 ? s[0] * s[2] : s[0];
   }
 };
 
 int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_linear, Op *add_rms, int nparam,
                   void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra) {
-  const int inputs = nparam - 1, per_layer = 2 + 4 * per;
-  if (ndims[0] != 2 || inputs <= CACHES || (inputs - CACHES) % per_layer) return 1;
-  const Stack st{per, (inputs - CACHES) / per_layer, params, ndims, shapes, dtypes};
+  const int inputs = nparam - 1;
+  if (ndims[0] != 2 || inputs != WEIGHTS + 4 * per || ndims[K_CACHE] < 1) return 1;
+  const Stack st{per, shapes[K_CACHE][0], params, ndims, shapes, dtypes};
+  if (!st.valid(inputs) || ndims[st.weight(0, 0)] != (per == 1 ? 4 : 3)) return 1;
   const int64_t n = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
   if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
   thread_local std::vector<float> x, mid, attn, gu, delta, qkv;
@@ -80,12 +106,12 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   first.add(f32(qkv), 2, qs, "float32");
   if (int rc = first.run(add_rms_linear, stream, extra)) return rc;
 
-  for (int i = 0; i < st.layers; ++i) {
+  for (int64_t i = 0; i < st.layers; ++i) {
     Args a;  // attention, output projection: RopeAttention's 9 inputs (qkv first), o, the output
     a.add(f32(qkv), 2, qs, "float32");
     for (int k : {COS, SIN, POSITIONS, SLOTS}) a.take(params, ndims, shapes, dtypes, k);
-    a.take(params, ndims, shapes, dtypes, CACHES + i);
-    a.take(params, ndims, shapes, dtypes, CACHES + st.layers + i);
+    st.slice(a, K_CACHE, i);
+    st.slice(a, V_CACHE, i);
     for (int k : {CONTEXT, ROWS}) a.take(params, ndims, shapes, dtypes, k);
     st.weights(a, 1, i);
     a.add(f32(attn), 2, hs, "float32");

@@ -118,8 +118,8 @@ inline void prefetch_rows(const T *cache, const int32_t *slots, int64_t n, int64
   }
 }
 
-void softmax(float *s, int64_t len) {
-  const float peak = *std::max_element(s, s + len);
+// s <- e^(s - peak) over [0, len); returns their sum.
+float exp_sum(float *s, int64_t len, float peak) {
   float sum = 0.f;
   int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -132,7 +132,11 @@ void softmax(float *s, int64_t len) {
   sum = hsum(reinterpret_cast<v8 &>(acc));
 #endif
   for (; j < len; ++j) sum += (s[j] = std::exp(s[j] - peak));
-  const float inv = 1.f / sum;
+  return sum;
+}
+
+void softmax(float *s, int64_t len) {
+  const float inv = 1.f / exp_sum(s, len, *std::max_element(s, s + len));
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
 
@@ -145,29 +149,56 @@ void softmax(float *s, int64_t len) {
 // 8 rows: fp32 9.5-10.1 -> 7.3-8.1 ms, bf16 6.1-7.2 -> 4.6-5.2 ms.
 constexpr int64_t KEY_BLOCK = 16;
 
-// Token `row`'s query heads on KV heads [g0, g1).
+// Token `row`'s query heads on KV heads [g0, g1), over its context keys [j0, j1), into o (the
+// row's output). `stats` null: the keys are the whole context, o the attention. Otherwise o gets
+// sum_j e^(s_j - peak) V_j and stats [2h, 2h + 1] the head's peak and sum: one part of a context
+// split over the cores (`merge`).
 template <int64_t HD, typename T>
-void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1) {
+void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1, int64_t j0, int64_t j1, float *o,
+                float *stats) {
   const int64_t h0 = g0 * a.grp, h1 = g1 * a.grp, width = a.kv * a.grp * HD, stride = a.kv * HD;
   thread_local std::vector<float> s;
   s.resize(h1 * a.ctx);
-  const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
   const int32_t *slots = a.row_slots(row);
   const float *q = a.q + row * width;
-  float *o = a.out + row * width;
-  for (int64_t j = 0; j < len; j += KEY_BLOCK) {
-    const int64_t n = std::min(KEY_BLOCK, len - j);
-    prefetch_rows(a.kc, slots + j + n, std::min(KEY_BLOCK, len - j - n), stride);
+  for (int64_t j = j0; j < j1; j += KEY_BLOCK) {
+    const int64_t n = std::min(KEY_BLOCK, j1 - j);
+    prefetch_rows(a.kc, slots + j + n, std::min(KEY_BLOCK, j1 - j - n), stride);
     for (int64_t h = h0; h < h1; ++h)
       score<HD>(q + h * HD, a.kc + h / a.grp * HD, slots + j, n, stride, &s[h * a.ctx + j]);
   }
-  for (int64_t h = h0; h < h1; ++h) softmax(&s[h * a.ctx], len);
+  for (int64_t h = h0; h < h1; ++h) {
+    float *sh = &s[h * a.ctx + j0];
+    if (!stats) {
+      softmax(sh, j1 - j0);
+      continue;
+    }
+    stats[2 * h] = *std::max_element(sh, sh + (j1 - j0));
+    stats[2 * h + 1] = exp_sum(sh, j1 - j0, stats[2 * h]);
+  }
   std::fill(o + h0 * HD, o + h1 * HD, 0.f);
-  for (int64_t j = 0; j < len; j += KEY_BLOCK) {
-    const int64_t n = std::min(KEY_BLOCK, len - j);
-    prefetch_rows(a.vc, slots + j + n, std::min(KEY_BLOCK, len - j - n), stride);
+  for (int64_t j = j0; j < j1; j += KEY_BLOCK) {
+    const int64_t n = std::min(KEY_BLOCK, j1 - j);
+    prefetch_rows(a.vc, slots + j + n, std::min(KEY_BLOCK, j1 - j - n), stride);
     for (int64_t h = h0; h < h1; ++h)
       weigh<HD>(&s[h * a.ctx + j], a.vc + h / a.grp * HD, slots + j, n, stride, o + h * HD);
+  }
+}
+
+// out [heads * hd] from the parts of a context split over the cores: each part's sums rescaled
+// to the largest peak, divided by the rescaled sum.
+void merge(int64_t parts, int64_t heads, int64_t hd, const float *o, const float *stats, float *out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float peak = stats[2 * h], sum = 0.f;
+    for (int64_t p = 1; p < parts; ++p) peak = std::max(peak, stats[p * 2 * heads + 2 * h]);
+    float *y = out + h * hd;
+    std::fill(y, y + hd, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float *st = stats + p * 2 * heads + 2 * h, f = std::exp(st[0] - peak), *x = o + (p * heads + h) * hd;
+      sum += f * st[1];
+      for (int64_t d = 0; d < hd; ++d) y[d] += f * x[d];
+    }
+    for (int64_t d = 0; d < hd; ++d) y[d] /= sum;
   }
 }
 
@@ -199,6 +230,7 @@ inline int64_t visible(const Args<T> &a, int64_t row) {
   return std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
 }
 
+constexpr int64_t SPLIT_KEYS = 64;  // fewest keys per core worth splitting one token's context for
 constexpr int64_t QUERY_BLOCK = 32;  // queries per GEMM task: causal blocks stop at their last key
 constexpr int64_t GEMM_MIN_QUERIES = 8;
 
@@ -234,11 +266,24 @@ void attend_gemm(const Args<T> &a, int64_t t0, int64_t t1, int64_t g) {
 
 template <typename T>
 void attend(const Args<T> &a, int64_t row, int64_t g0, int64_t g1) {
+  const int64_t len = visible(a, row);
+  float *o = a.out + row * a.kv * a.grp * a.hd;
   switch (a.hd) {
-    case 64: return attend_row<64, T>(a, row, g0, g1);
-    case 128: return attend_row<128, T>(a, row, g0, g1);
+    case 64: return attend_row<64, T>(a, row, g0, g1, 0, len, o, nullptr);
+    case 128: return attend_row<128, T>(a, row, g0, g1, 0, len, o, nullptr);
     default: return attend_any(a, row, g0, g1);
   }
+}
+
+// Part p of `parts` of token `row`'s context: all its heads over their share of the keys (whole key
+// blocks), into part p's o and stats.
+template <typename T>
+void attend_part(const Args<T> &a, int64_t row, int64_t p, int64_t parts, float *o, float *stats) {
+  const int64_t blocks = (visible(a, row) + KEY_BLOCK - 1) / KEY_BLOCK, heads = a.kv * a.grp;
+  const int64_t j0 = blocks * p / parts * KEY_BLOCK, j1 = std::min(visible(a, row), blocks * (p + 1) / parts * KEY_BLOCK);
+  o += p * heads * a.hd, stats += p * 2 * heads;
+  if (a.hd == 64) attend_row<64, T>(a, row, 0, a.kv, j0, j1, o, stats);
+  else attend_row<128, T>(a, row, 0, a.kv, j0, j1, o, stats);
 }
 
 template <typename T>
@@ -264,11 +309,23 @@ int run(void **params, int64_t **shapes) {
     for (int64_t b = t0; b < t1; b += QUERY_BLOCK)
       for (int64_t g = 0; g < a.kv; ++g) tasks.push_back({b, std::min(b + QUERY_BLOCK, t1), g, g, g + 1});
   }
-  // Fewer tasks than cores (one sequence decoding): each token's KV heads split over the cores,
-  // or one core alone reads the whole context. One token, 2048 keys, one layer, Zen 3, before ->
-  // after (with the key blocks above): llama2-7B's 32 KV heads of 128, bf16 KV 5.6-6.4 -> 2.5-2.9
-  // ms, fp32 7.9-8.9 -> 4.0-5.2 ms; SmolLM2 fp32 0.34 -> 0.19 ms.
+  // Fewer tasks than cores (one sequence decoding): its keys split over the cores, each part
+  // reading every KV head's share once, where the KV heads do not divide evenly among the cores
+  // (SmolLM2's 3 on 2 cores left one core half idle); else each token's KV heads split over them;
+  // or one core alone reads a short context. One token, 2048 keys, one layer, Zen 3, before ->
+  // after the head split (with the key blocks above): llama2-7B's 32 KV heads of 128, bf16 KV
+  // 5.6-6.4 -> 2.5-2.9 ms, fp32 7.9-8.9 -> 4.0-5.2 ms; SmolLM2 fp32 0.34 -> 0.19 ms.
   const int64_t cores = kernels::pinned_cores();
+  if (static_cast<int64_t>(tasks.size()) < cores && a.n == 1 && tasks[0].g < 0 && a.kv % cores &&
+      (a.hd == 64 || a.hd == 128) && visible(a, 0) >= cores * SPLIT_KEYS) {
+    const int64_t heads = a.kv * a.grp;
+    thread_local std::vector<float> parts;  // each part's o, then each part's stats
+    parts.resize(cores * heads * (a.hd + 2));
+    float *o = parts.data(), *stats = o + cores * heads * a.hd;  // (a worker's `parts` is its own)
+    kernels::Pool::get().run(cores, [&](int64_t p) { attend_part(a, 0, p, cores, o, stats); });
+    merge(cores, heads, a.hd, o, stats, a.out);
+    return 0;
+  }
   if (static_cast<int64_t>(tasks.size()) < cores) {
     std::vector<Task> split;
     for (const Task &t : tasks) {

@@ -28,15 +28,17 @@ def reference(q, kc, vc, slots, token_rows, pos):
 
 # Query tokens per sequence of one packed step: decodes (1), short runs (< 8: per-token path) and
 # prefill chunks (GEMM path), mixed in any order.
-# One decode token alone: its KV heads are split over the cores (with two or more).
-@pytest.mark.parametrize("heads,kv,hd,q_lens", [(9, 3, 64, [1] * 5), (4, 4, 128, [1] * 5), (4, 2, 16, [1] * 5),
-                                                 (6, 2, 64, [3] * 5), (9, 3, 64, [40] * 5), (4, 4, 16, [8] * 5),
-                                                 (9, 3, 64, [1, 40, 1, 3, 9]), (4, 2, 16, [33, 1, 1, 8, 2]),
-                                                 (9, 3, 64, [1]), (4, 4, 128, [1])],
-                         ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa",
-                              "prefill-gemm-mha-hd16", "packed-mix-gqa", "packed-mix-hd16", "one-decode-token-gqa",
-                              "one-decode-token-mha-hd128"])
-def test_kernel_matches_numpy(heads, kv, hd, q_lens):
+# One decode token alone: its KV heads are split over the cores (with two or more), or, where they
+# do not divide evenly and the context is long, its keys (partial softmaxes merged).
+@pytest.mark.parametrize("heads,kv,hd,q_lens,ctx", [
+    (9, 3, 64, [1] * 5, 48), (4, 4, 128, [1] * 5, 48), (4, 2, 16, [1] * 5, 48), (6, 2, 64, [3] * 5, 48),
+    (9, 3, 64, [40] * 5, 48), (4, 4, 16, [8] * 5, 48), (9, 3, 64, [1, 40, 1, 3, 9], 48),
+    (4, 2, 16, [33, 1, 1, 8, 2], 48), (9, 3, 64, [1], 48), (4, 4, 128, [1], 48), (9, 3, 64, [1], 300),
+    (8, 1, 128, [1], 517)],
+    ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa", "prefill-gemm-mha-hd16",
+         "packed-mix-gqa", "packed-mix-hd16", "one-decode-token-gqa", "one-decode-token-mha-hd128",
+         "one-decode-token-long-context-keys-split", "one-decode-token-one-kv-head-hd128-keys-split"])
+def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx):
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
@@ -54,7 +56,7 @@ def test_kernel_matches_numpy(heads, kv, hd, q_lens):
             return self.op(*args)
 
     rng = np.random.default_rng(hd + sum(q_lens))
-    seqs, ctx, n_slots = len(q_lens), 48, 512
+    seqs, n_slots = len(q_lens), 1024
     token_rows = np.repeat(np.arange(seqs), q_lens).astype(np.int32)
     kc = rng.standard_normal((n_slots, kv, hd), dtype=np.float32)
     vc = rng.standard_normal((n_slots, kv, hd), dtype=np.float32)
