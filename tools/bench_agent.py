@@ -238,13 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in steps:  # a one-row decode step reads every weight once: memory bandwidth bounds it
         # Timed again without the NumPy baseline between calls: OpenBLAS's threads keep spinning on
         # both cores after its calls (B=1 int8 measured 16.8 ms interleaved, 12.5-14 ms alone).
-        alone = measure({v: ms_decode(r, 1) for v, r in runners.items()}, 4 * args.repeat, args.rounds)
-        bw = read_bandwidth(len(os.sched_getaffinity(0)))
-        print(f"weight-streaming limit at {bw / 1e9:.1f} GB/s (read bandwidth of {len(os.sched_getaffinity(0))} cores):")
+        # The VM's bandwidth drifts too (20-25 GB/s between runs minutes apart, Zen 3): it is
+        # measured in every round, next to that round's steps, and each round gives a ratio.
+        cores = len(os.sched_getaffinity(0))
+        fns = {v: ms_decode(r, 1) for v, r in runners.items()}
+        bws, alone = [], {v: [] for v in runners}
+        for _ in range(args.rounds):
+            bws.append(read_bandwidth(cores))
+            for v, t in measure(fns, 4 * args.repeat, 1).items():
+                alone[v].append(t)
+        print(f"weight-streaming limit at {statistics.median(bws) / 1e9:.1f} GB/s (read bandwidth of {cores} cores, "
+              f"median of {args.rounds} rounds; {min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f}):")
         for v, r in runners.items():
-            limit = r.model.streamed_bytes / bw
-            print(f"  {v}: decode B=1 alone {alone[v] * 1e3:.1f} ms, limit {limit * 1e3:.1f} ms "
-                  f"({alone[v] / limit:.2f}x)")
+            ratios = [t * bw / r.model.streamed_bytes for t, bw in zip(alone[v], bws)]
+            print(f"  {v}: decode B=1 alone {statistics.median(alone[v]) * 1e3:.1f} ms, limit "
+                  f"{r.model.streamed_bytes / statistics.median(bws) * 1e3:.1f} ms ({statistics.median(ratios):.2f}x: "
+                  f"median of the rounds' ratios, {min(ratios):.2f}-{max(ratios):.2f}x)")
     return 0
 
 
