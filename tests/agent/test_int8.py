@@ -130,15 +130,17 @@ def test_half_and_int8_without_native_kernels_are_refused_clearly(dtype):
 
 
 def test_smollm2_int8_tracks_fp32(smollm2_fp32_eval):
-    """Perplexity on the shipped corpus within 2% of fp32 (measured +0.39%), and greedy
-    continuations of the fixed prompt set agree in their first 4 tokens for >= 80% of prompts
-    (measured 92%; llama.cpp's q8_0 against its own f32 on the same prompts: 79%)."""
-    from tools.eval_quant import agreement, evaluate
+    """Perplexity on the shipped corpus within 2% of fp32 (measured +0.60% with an AVX2 build, +1.29%
+    with an AVX-512 one on the same Zen 4: the order of one float sum moves it that much), and the
+    same top token as fp32 at >= 96% of the corpus's 532 positions (measured 98.1% and 97.4%).
+    Greedy 4-token continuations of 24 prompts (eval_quant's table) swung between 75% and 92% with
+    such orders: too few samples to assert on."""
+    from tools.eval_quant import evaluate, top1_agreement
 
     base = smollm2_fp32_eval
     int8 = evaluate("smollm2", "int8", 4, group=64)
     assert int8["perplexity"] / base["perplexity"] - 1 < 0.02
-    assert agreement(base["greedy"], int8["greedy"]) >= 0.8
+    assert top1_agreement(base["top"], int8["top"]) >= 0.96
     assert int8["weight_bytes"] < 0.45 * base["weight_bytes"]
 
 
