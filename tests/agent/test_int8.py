@@ -242,3 +242,19 @@ def test_every_int8_path_this_cpu_has_sums_exactly(march, needs, name, tmp_path)
         dots = np.einsum("mgk,ngk->mng", xi.reshape(m, -1, g), rows.natural().astype(np.int64).reshape(n, -1, g))
         want = (dots * rows.scale[None].astype(np.float64)).sum(-1)
         np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-6 * np.abs(want).max(), err_msg=f"{m},{k},{n},{group}")
+
+
+def test_bench_int8_kernel_times_every_shape_and_token_count(capsys):
+    """tools/bench_int8_kernel.py runs on the agent's kernel library: a row per shape and token count."""
+    import os
+
+    from tools.bench_int8_kernel import main
+
+    cores = os.sched_getaffinity(0)
+    try:
+        assert main(["--shapes", "64x32,96x40", "--tokens", "1,5", "--calls", "3"]) == 0
+    finally:
+        os.sched_setaffinity(0, cores)  # the tool pins this process to its first core
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["64x32"], ["96x40"])]
+    assert [(r[0], r[1]) for r in rows] == [("64x32", "1"), ("64x32", "5"), ("96x40", "1"), ("96x40", "5")]
+    assert all(float(r[6].rstrip("x")) > 0 for r in rows)
