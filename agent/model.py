@@ -16,7 +16,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agent.layers import KV_DTYPES, Backend, param
+from agent.layers import KV_DTYPES, Backend, param, zeros_param
 from agent.projections import embedding
 
 
@@ -98,9 +98,9 @@ class LlamaModel(nn.Cell):
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
         shape, kv_type = (num_slots, cfg.num_kv_heads, cfg.head_dim), KV_DTYPES[backend.kv_dtype]
         if self.one_op_stack:  # every layer's cache in one Parameter, as the stack op takes them
-            self.k_cache, self.v_cache = (param(f"{kv}_cache", np.zeros((cfg.num_layers, *shape), kv_type)) for kv in "kv")
+            self.k_cache, self.v_cache = (zeros_param(f"{kv}_cache", (cfg.num_layers, *shape), kv_type) for kv in "kv")
         else:
-            self.k_cache, self.v_cache = (ms.ParameterTuple([param(f"{kv}_cache{i}", np.zeros(shape, kv_type))
+            self.k_cache, self.v_cache = (ms.ParameterTuple([zeros_param(f"{kv}_cache{i}", shape, kv_type)
                                                              for i in range(cfg.num_layers)]) for kv in "kv")
 
     @property

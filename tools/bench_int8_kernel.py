@@ -7,10 +7,10 @@ on the cores it may use: ms per call, the ratio and int8's GMAC/s.
 
 Each time is the 10th percentile of --calls calls: on a shared VM a run's speed halves now and then,
 and the fast calls show what the code does. Weights stay in cache between calls (a decode step
-streams them from memory: tools/bench_agent.py measures that). Each row prints how far its weights
-start past a 64-byte line, as NumPy (and MindSpore's allocator, for the agent's Parameters) placed
-them: 16 or 32 bytes past one made a call 1.09-1.29x slower than 0 on a Zen 4 (every other 32-byte
-load spans two lines).
+streams them from memory: tools/bench_agent.py measures that). The weights start on a cache line, as
+the agent places them (agent.kernels.line_aligned), or --offset bytes past one: 16 or 32 bytes
+past one (where malloc and MindSpore's own Parameters start) made a call 1.09-1.29x slower on a
+Zen 4 (every other 32-byte load spans two lines). Each row prints the offset it ran with.
 """
 from __future__ import annotations
 
@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=1, help="run on this many of the allowed cores")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--group", type=int, default=64, help="at most this many inputs per int8 scale")
+    ap.add_argument("--offset", type=int, default=0, help="weights start this many bytes past a cache line")
     args = ap.parse_args(argv)
     # Before the library loads: its worker pool sizes itself from this process's affinity.
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 
-    from agent.kernels import _dnnl_flags, kernel_paths, library
+    from agent.kernels import CACHE_LINE, _dnnl_flags, kernel_paths, library, line_aligned
     from agent.quant import quantize
     from common.cpu import describe
 
@@ -77,15 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         k, n = (int(v) for v in shape.split("x"))
         w = rng.standard_normal((n, k)).astype(np.float32)
         rows, wt = quantize(w, args.group), np.ascontiguousarray(w.T)
+        qw = line_aligned((rows.q.size + CACHE_LINE,), np.int8)[args.offset % CACHE_LINE:][:rows.q.size]
+        qw = qw.reshape(rows.q.shape)
+        qw[...] = rows.q
         for m in (int(t) for t in args.tokens.split(",")):
             x = rng.standard_normal((m, k)).astype(np.float32)
             y = np.zeros((m, n), np.float32)
-            call = _array_args([x, rows.q, rows.scale, np.ones(k, np.float32), y])
+            g = np.ones(k, np.float32)  # named: the call reads it after _array_args returns
+            call = _array_args([x, qw, rows.scale, g, y])
             int8 = _per_call(lambda: lib.LinearInt8(*call), args.calls)
             fp32 = _per_call(lambda: dnnl.dnnl_sgemm(b"N", b"N", m, n, k, 1.0, x.ctypes.data, k, wt.ctypes.data, n,
                                                      0.0, y.ctypes.data, n), args.calls)
             print(f"{shape:>12}{m:>8}{fp32 * 1e3:>10.3f} ms{int8 * 1e3:>8.3f} ms{fp32 / int8:>7.2f}x"
-                  f"{m * n * k / int8 / 1e9:>13.1f}{rows.q.ctypes.data % 64:>14}")
+                  f"{m * n * k / int8 / 1e9:>13.1f}{qw.ctypes.data % CACHE_LINE:>14}")
     return 0
 
 

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "buffers.h"
+
 namespace {
 
 using Op = int(int, void **, int *, int64_t **, const char **, void *, void *);
@@ -90,12 +92,12 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   if (!st.valid(inputs) || ndims[st.weight(0, 0)] != (per == 1 ? 4 : 3)) return 1;
   const int64_t n = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
   if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
-  thread_local std::vector<float> x, mid, attn, gu, delta, qkv;
+  thread_local kernels::line_vector<float> x, mid, attn, gu, delta, qkv;
   delta.assign(n * h, 0.f);  // layer 0 adds nothing: the embeddings, their norm and Q|K|V in one call
   x.resize(n * h), mid.resize(n * h), attn.resize(n * h), gu.resize(n * ngu), qkv.resize(n * nqkv);
   int64_t hs[2] = {n, h}, gs[2] = {n, ngu}, qs[2] = {n, nqkv};
   float *in = static_cast<float *>(params[0]);
-  auto f32 = [](std::vector<float> &v) { return static_cast<void *>(v.data()); };
+  auto f32 = [](kernels::line_vector<float> &v) { return static_cast<void *>(v.data()); };
 
   Args first;  // the embeddings, their norm, layer 0's Q|K|V
   first.add(in, 2, hs, "float32");

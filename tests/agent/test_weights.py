@@ -135,9 +135,10 @@ print(status("VmRSS"), status("VmHWM"), runner.model.weight_bytes)
 
 @pytest.mark.parametrize("kind,dtype", [("hf", "bfloat16"), ("gguf", "bfloat16"), ("hf", "float32")])
 def test_loading_streams_tensor_by_tensor(tmp_path, kind, dtype):
-    """Peak RSS while loading and building the model stays within final RSS + 10%: tensors are read
-    from the memory-mapped file one at a time and converted to their final dtype (a whole-model
-    float32 dict first, as before, peaked ~40% above final at bfloat16)."""
+    """Peak RSS while loading and building the model stays within 35% of the float32 model's bytes
+    above the final RSS: tensors are read from the memory-mapped file one at a time and converted to
+    their final dtype (a whole-model float32 dict first, as before, peaked ~40% above final at
+    bfloat16, ~230 MB here; streamed, 38-57 MB: one layer's conversion and the file pages read)."""
     import subprocess
     import sys
 
@@ -161,4 +162,4 @@ def test_loading_streams_tensor_by_tensor(tmp_path, kind, dtype):
     assert out.returncode == 0, out.stderr[-3000:]
     final, peak, weight_bytes = map(int, out.stdout.split()[-3:])
     assert weight_bytes < (0.6 if dtype == "bfloat16" else 1.1) * 200e6
-    assert peak <= 1.1 * final, (peak / 2**20, final / 2**20)
+    assert peak - final <= 0.35 * 200e6, (peak / 2**20, final / 2**20)
