@@ -191,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         v = arena.step(arena.write_step(rows, bs))
         return lambda: runner.step(v, [])
 
+    def fill_cache(runner, rows: int) -> None:
+        """Write every decode row's context into the KV cache (prefill steps, `args.prefill` tokens
+        at a time). Untouched, the cache's pages are all the kernel's one zero page, always in cache:
+        a 64-row step at 192 keys then measured 64-75 ms against 94-98 ms with a written cache (the
+        serving case: the attention reads the cache from DRAM; Zen 4)."""
+        for i in range(rows):
+            for s0 in range(0, args.context, args.prefill):
+                toks = (np.arange(s0, min(args.context, s0 + args.prefill), dtype=np.int32) * 7 + i) % cfg.vocab_size
+                row = RowInput(i, toks, s0, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, greedy,
+                               args.context, 0)
+                runner.step(arena.step(arena.write_step([row], bs)), [])
+
     def ms_prefill(runner):
         rows = [RowInput(0, np.arange(args.prefill, dtype=np.int32) + 100, 0, list(range(1, 1 + per_seq)),
                          True, greedy, args.prefill, 0)]
@@ -229,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         return t
 
+    for r in runners.values():
+        fill_cache(r, max(batches))
     steps = {}
     for b in batches:
         steps[b] = report(f"decode step B={b}", [ms_decode(r, b) for r in runners.values()], NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),

@@ -109,7 +109,13 @@ void weigh(const float *p, const T *vc, const int32_t *slots, int64_t len, int64
 }
 
 // Whole cache rows (every KV head) of up to n slots: the cache is scattered over blocks, so the
-// hardware prefetcher alone falls behind.
+// hardware prefetcher alone falls behind. attend_row asks for the next key block's rows a few at a
+// time, a share before each head's pass over the current block: all at once (~100 lines for
+// SmolLM2) they queued behind the core's few outstanding-miss slots and stalled the loads of the
+// block being scored. 64 decode rows at 192 keys of a float16 cache from DRAM, 30 layers, 2
+// threads, Zen 4: 30.5-32.2 -> 21.4-22.4 ms (median of 21, alternating; same outputs). Two blocks
+// ahead, or the first value block during the last key block, gained nothing more. (GCC 12 drops
+// these prefetches, unseen, when the share is computed in a helper taking the part and the parts.)
 template <typename T>
 inline void prefetch_rows(const T *cache, const int32_t *slots, int64_t n, int64_t stride) {
   for (int64_t j = 0; j < n; ++j) {
@@ -156,16 +162,18 @@ constexpr int64_t KEY_BLOCK = 16;
 template <int64_t HD, typename T>
 void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1, int64_t j0, int64_t j1, float *o,
                 float *stats) {
-  const int64_t h0 = g0 * a.grp, h1 = g1 * a.grp, width = a.kv * a.grp * HD, stride = a.kv * HD;
+  const int64_t h0 = g0 * a.grp, h1 = g1 * a.grp, heads = h1 - h0, width = a.kv * a.grp * HD, stride = a.kv * HD;
   thread_local std::vector<float> s;
   s.resize(h1 * a.ctx);
   const int32_t *slots = a.row_slots(row);
   const float *q = a.q + row * width;
   for (int64_t j = j0; j < j1; j += KEY_BLOCK) {
-    const int64_t n = std::min(KEY_BLOCK, j1 - j);
-    prefetch_rows(a.kc, slots + j + n, std::min(KEY_BLOCK, j1 - j - n), stride);
-    for (int64_t h = h0; h < h1; ++h)
+    const int64_t n = std::min(KEY_BLOCK, j1 - j), next = std::min(KEY_BLOCK, j1 - j - n);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t p0 = next * (h - h0) / heads, p1 = next * (h - h0 + 1) / heads;  // this head's share
+      prefetch_rows(a.kc, slots + j + n + p0, p1 - p0, stride);
       score<HD>(q + h * HD, a.kc + h / a.grp * HD, slots + j, n, stride, &s[h * a.ctx + j]);
+    }
   }
   for (int64_t h = h0; h < h1; ++h) {
     float *sh = &s[h * a.ctx + j0];
@@ -178,10 +186,12 @@ void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1, int64_t j
   }
   std::fill(o + h0 * HD, o + h1 * HD, 0.f);
   for (int64_t j = j0; j < j1; j += KEY_BLOCK) {
-    const int64_t n = std::min(KEY_BLOCK, j1 - j);
-    prefetch_rows(a.vc, slots + j + n, std::min(KEY_BLOCK, j1 - j - n), stride);
-    for (int64_t h = h0; h < h1; ++h)
+    const int64_t n = std::min(KEY_BLOCK, j1 - j), next = std::min(KEY_BLOCK, j1 - j - n);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t p0 = next * (h - h0) / heads, p1 = next * (h - h0 + 1) / heads;
+      prefetch_rows(a.vc, slots + j + n + p0, p1 - p0, stride);
       weigh<HD>(&s[h * a.ctx + j], a.vc + h / a.grp * HD, slots + j, n, stride, o + h * HD);
+    }
   }
 }
 
