@@ -200,6 +200,8 @@ class ModelRunner:
         r_pad = self.rc.rows_for(t_pad)
         if x.query_lens.shape[0] > r_pad:
             raise ValueError(f"{x.query_lens.shape[0]} rows exceed the {r_pad} of a {t_pad}-token step")
+        if np.any(x.slots < self.rc.block_size):  # the stack op tells padding from tokens by it
+            raise ValueError("block 0 is reserved for padding: no token of a step may write it")
         return t_pad, r_pad
 
     @staticmethod

@@ -9,6 +9,7 @@
 //   caches, come stacked in one tensor [layers, ...] each: ~14-22 inputs, not 188 (fp32) or 428 (int8).
 // Tensor-parallel ranks (their partial sums are combined between the parts) and float weights
 // padded to whole blocks keep four ops a layer.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -90,8 +91,17 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   if (ndims[0] != 2 || inputs != WEIGHTS + 4 * per || ndims[K_CACHE] < 1) return 1;
   const Stack st{per, shapes[K_CACHE][0], params, ndims, shapes, dtypes};
   if (!st.valid(inputs) || ndims[st.weight(0, 0)] != (per == 1 ? 4 : 3)) return 1;
-  const int64_t n = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
+  const int64_t padded = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
   if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
+  // The step's tokens up to its bucket are padding after the real ones, each writing slot 0 (block 0
+  // is reserved for them; agent/runner.py refuses real tokens there). Only the real ones are
+  // computed: the padding's rows of the output are zeros (no sampled row reads them). A step pads
+  // to its bucket, ~1.5x apart: up to a third of a step was padding.
+  const int32_t *slot = static_cast<const int32_t *>(params[SLOTS]);
+  int64_t n = padded;
+  while (n > 1 && slot[n - 1] == 0) --n;
+  float *out = static_cast<float *>(params[nparam - 1]);
+  std::fill(out + n * h, out + padded * h, 0.f);
   thread_local kernels::line_vector<float> x, mid, attn, gu, delta, qkv;
   delta.assign(n * h, 0.f);  // layer 0 adds nothing: the embeddings, their norm and Q|K|V in one call
   x.resize(n * h), mid.resize(n * h), attn.resize(n * h), gu.resize(n * ngu), qkv.resize(n * nqkv);

@@ -113,6 +113,15 @@ def test_logprobs_are_real_log_probabilities(runner16, tiny_weights):
     assert np.allclose(v.outputs.top_logprobs[0, :5], np.sort(ref_lp)[::-1][:5], atol=LOGIT_TOL)
 
 
+def test_a_token_in_block_0_is_refused_before_the_model_runs(runner16):
+    """Block 0 takes the padding up to a step's bucket, which the stack op skips by its slot: a real
+    token there would be skipped too, so the step is refused."""
+    driver = PagedDriver(runner16)
+    rows = [RowInput(0, np.asarray(PROMPTS[0], np.int32), 0, [0], True, SamplingParams(), len(PROMPTS[0]), 0)]
+    with pytest.raises(ValueError, match="block 0 is reserved"):
+        runner16.step(driver.arena.step(driver.arena.write_step(rows, 16)), [])
+
+
 def test_seeded_sampling_is_reproducible(runner16):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     a, _ = PagedDriver(runner16, params).run(PROMPTS[:2], 10, collect_logits=False)

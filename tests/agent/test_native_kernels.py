@@ -122,3 +122,14 @@ def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp
     monkeypatch.delenv("LLM_SERVING_NATIVE")
     assert native.library() is not None  # and builds into the fresh cache
     assert list((tmp_path / "llm-serving" / "kernels").glob("kernels-*.so"))
+
+
+def test_bench_attention_times_a_step_from_memory_and_in_cache(capsys):
+    """tools/bench_attention.py runs the agent's PagedAttention over a written, paged cache."""
+    from tools.bench_attention import main
+
+    assert main(["--rows", "3", "--context", "40", "--layers", "2", "--calls", "2", "--kv-dtype", "bfloat16"]) == 0
+    lines = {line.split()[0] + " " + line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("from memory", "in cache"))}
+    assert float(lines["from memory"][2]) > 0 and float(lines["from memory"][6]) > 0
+    assert float(lines["in cache"][2]) > 0
