@@ -14,7 +14,6 @@ faster than the same calls on a written one (Zen 4). Each time is the median of 
 from __future__ import annotations
 
 import argparse
-import ctypes as C
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from tools.bench_int8_kernel import _array_args  # noqa: E402
+from tools.bench_int8_kernel import _array_args, kernel_library  # noqa: E402
 
 BLOCK = 16
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bfloat16 as its bits
@@ -50,15 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=15)
     args = ap.parse_args(argv)
 
-    from agent.kernels import library
     from common.cpu import describe, read_bandwidth
 
-    os.environ.setdefault("LLM_SERVING_DEVICE", "CPU")
-    path = library()
-    if path is None:
-        print("native kernels unavailable (no compiler, or LLM_SERVING_NATIVE=0)")
+    found = kernel_library()
+    if found is None:
         return 1
-    lib = C.CDLL(path)
+    lib = found[1]
     r, ctx, hd = args.rows, args.context, args.head_dim
     blocks = -(-ctx // BLOCK)
     slots_n = (1 + blocks * r) * BLOCK  # block 0 stays reserved, as in the agent

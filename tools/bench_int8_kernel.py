@@ -44,6 +44,19 @@ def _per_call(fn, calls: int) -> float:
     return sorted(times)[calls // 10]
 
 
+def kernel_library() -> tuple[str, C.CDLL] | None:
+    """The agent's native kernel library for this CPU (built on first use) and its path, or None
+    (said why) when it cannot be built."""
+    from agent.kernels import library
+
+    os.environ.setdefault("LLM_SERVING_DEVICE", "CPU")
+    path = library()
+    if path is None:
+        print("native kernels unavailable (no compiler, or LLM_SERVING_NATIVE=0)")
+        return None
+    return path, C.CDLL(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="576x1536,1536x576,576x3072", help="K x N: inputs x outputs")
@@ -56,16 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     # Before the library loads: its worker pool sizes itself from this process's affinity.
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 
-    from agent.kernels import CACHE_LINE, _dnnl_flags, kernel_paths, library, line_aligned
+    from agent.kernels import CACHE_LINE, _dnnl_flags, kernel_paths, line_aligned
     from agent.quant import quantize
     from common.cpu import describe
 
-    os.environ.setdefault("LLM_SERVING_DEVICE", "CPU")
-    path = library()
-    if path is None:
-        print("native kernels unavailable (no compiler, or LLM_SERVING_NATIVE=0)")
+    found = kernel_library()
+    if found is None:
         return 1
-    lib = C.CDLL(path)
+    path, lib = found
     dnnl = C.CDLL(str(Path(_dnnl_flags()[0][2:]) / "libdnnl.so.3"))
     dnnl.dnnl_sgemm.argtypes = [C.c_char, C.c_char, C.c_int64, C.c_int64, C.c_int64, C.c_float, C.c_void_p,
                                 C.c_int64, C.c_void_p, C.c_int64, C.c_float, C.c_void_p, C.c_int64]
