@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import importlib.util
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -38,14 +39,31 @@ FLAGS = ["-O3", "-march=native", *FAST_MATH, "-std=c++17", "-shared", "-fPIC", "
 CACHE_LINE = 64
 
 
+HUGE_PAGE = 2 << 20
+# Arrays from this size on (stacked weights, the LM head, the KV caches) get huge pages; a smaller
+# one would hold a whole 2 MiB page for less than 16 MiB (at most 1/8 more memory).
+HUGE_MIN_BYTES = 8 * HUGE_PAGE
+
+
 def line_aligned(shape: tuple[int, ...], dtype: object) -> np.ndarray:
     """Zeros (lazily: pages are touched on first write) starting on a cache line: the kernels'
     weight rows are multiples of 64 bytes, and 16 bytes past a line (where malloc, and MindSpore's
     Parameter copy, start) every other 32-byte load of a row spans two lines: LinearInt8 ran
-    1.09-1.29x slower so (Zen 4, one core)."""
+    1.09-1.29x slower so (Zen 4, one core).
+
+    Large arrays start on a 2 MiB boundary of their own private mapping, advised MADV_HUGEPAGE:
+    where transparent huge pages are 'madvise' (the common default) or 'always', a decode step's
+    weight stream then crosses a page (a TLB miss, and the hardware prefetcher stops) every 2 MiB,
+    not every 4 KiB. int8 weights of 60 layers from DRAM, same process, alternating (Zen 4, 2
+    threads): 1.06-1.11x at one token, 1.02-1.06x at 4-64. LLM_SERVING_HUGE_PAGES=0 turns it off."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(nbytes + CACHE_LINE, np.uint8)
-    start = -raw.ctypes.data % CACHE_LINE
+    if nbytes >= HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("LLM_SERVING_HUGE_PAGES") != "0":
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        raw, align = np.frombuffer(region, np.uint8), HUGE_PAGE  # the array keeps the mapping alive
+    else:
+        raw, align = np.zeros(nbytes + CACHE_LINE, np.uint8), CACHE_LINE
+    start = -raw.ctypes.data % align
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 

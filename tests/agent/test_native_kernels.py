@@ -8,9 +8,17 @@ import pytest
 
 from agent import kernels as native
 from agent.runner import setup_mindspore
+from tools.bench_attention import int8_rows
+
+
+def dequantized(rows: np.ndarray) -> np.ndarray:
+    """An int8 cache [..., hd + 4] (values, then their float32 scale) as float64 [..., hd]."""
+    return rows[..., :-4].astype(np.float64) * rows[..., -4:].copy().view(np.float32).astype(np.float64)
 
 
 def reference(q, kc, vc, slots, token_rows, pos):
+    if kc.dtype == np.int8:
+        kc, vc = dequantized(kc), dequantized(vc)
     n, width = q.shape
     kv, hd = kc.shape[1:]
     heads = width // hd
@@ -38,7 +46,10 @@ def reference(q, kc, vc, slots, token_rows, pos):
     ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa", "prefill-gemm-mha-hd16",
          "packed-mix-gqa", "packed-mix-hd16", "one-decode-token-gqa", "one-decode-token-mha-hd128",
          "one-decode-token-long-context-keys-split", "one-decode-token-one-kv-head-hd128-keys-split"])
-def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx):
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx, kv_dtype):
+    """Every path, over a float32 cache and over an int8 one (rows of values and their scale, as
+    RopeCache writes them: the reference reads the same rows dequantized)."""
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
@@ -60,6 +71,8 @@ def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx):
     token_rows = np.repeat(np.arange(seqs), q_lens).astype(np.int32)
     kc = rng.standard_normal((n_slots, kv, hd), dtype=np.float32)
     vc = rng.standard_normal((n_slots, kv, hd), dtype=np.float32)
+    if kv_dtype == "int8":
+        kc, vc = int8_rows(kc), int8_rows(vc)
     # Scattered, non-contiguous slots per sequence, as paged blocks are.
     slots = np.stack([rng.permutation(n_slots)[:ctx] for _ in range(seqs)]).astype(np.int32)
     # Context lengths 1..ctx, including lengths that are not a multiple of the kernel's key block.
@@ -128,8 +141,31 @@ def test_bench_attention_times_a_step_from_memory_and_in_cache(capsys):
     """tools/bench_attention.py runs the agent's PagedAttention over a written, paged cache."""
     from tools.bench_attention import main
 
-    assert main(["--rows", "3", "--context", "40", "--layers", "2", "--calls", "2", "--kv-dtype", "bfloat16"]) == 0
+    assert main(["--rows", "3", "--context", "40", "--layers", "2", "--calls", "2", "--kv-dtype", "int8"]) == 0
     lines = {line.split()[0] + " " + line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
              if line.startswith(("from memory", "in cache"))}
     assert float(lines["from memory"][2]) > 0 and float(lines["from memory"][6]) > 0
     assert float(lines["in cache"][2]) > 0
+
+
+def test_large_arrays_start_on_a_huge_page_and_small_ones_on_a_line(monkeypatch):
+    """Weights and KV caches come from line_aligned: zeros, writable; from 16 MiB on they start on a
+    2 MiB boundary of a mapping advised for transparent huge pages (LLM_SERVING_HUGE_PAGES=0: on a
+    line, as smaller arrays)."""
+    import mmap
+
+    def memory(a: np.ndarray) -> object:  # what the array's memory belongs to
+        while isinstance(a, np.ndarray) and a.base is not None:
+            a = a.base
+        return a.obj if isinstance(a, memoryview) else a
+
+    big = native.line_aligned((native.HUGE_MIN_BYTES // 2,), np.float16)
+    small = native.line_aligned((1000, 3), np.float32)
+    for a in (big, small):
+        assert a.flags.writeable and not a.any()
+        a[...] = 1
+    assert big.ctypes.data % native.HUGE_PAGE == 0 and isinstance(memory(big), mmap.mmap)
+    assert small.ctypes.data % native.CACHE_LINE == 0 and not isinstance(memory(small), mmap.mmap)
+    monkeypatch.setenv("LLM_SERVING_HUGE_PAGES", "0")
+    plain = native.line_aligned((native.HUGE_MIN_BYTES,), np.int8)
+    assert plain.ctypes.data % native.CACHE_LINE == 0 and not isinstance(memory(plain), mmap.mmap)
