@@ -21,8 +21,9 @@ from agent.quant import Int8Rows
 
 BF16_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp)
 DTYPES = ("float32", "bfloat16", "float16", "int8")
-# KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16)
-KV_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
+# KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16;
+# an int8 head row carries its float32 scale in 4 more bytes: common.memory.kv_head_bytes)
+KV_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16, "int8": np.int8}
 
 
 def _on(name: str, values: np.ndarray) -> Parameter:
@@ -368,7 +369,7 @@ class Backend:
             raise ValueError("tensor_parallel_size > 1 runs a float model_dtype (float32, bfloat16, float16)")
         if self.kv_dtype != "float32" and self.lib is None:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads 16-bit "
-                             "KV there); the plain-MindSpore path keeps float32")
+                             "and int8 KV there); the plain-MindSpore path keeps float32")
 
     def kernels(self, cfg: Any) -> dict[str, Any]:
         if self.lib is None:

@@ -18,6 +18,7 @@ from mindspore import Tensor, nn, ops
 
 from agent.layers import KV_DTYPES, Backend, param, zeros_param
 from agent.projections import embedding
+from common.memory import kv_head_bytes
 
 
 @dataclass
@@ -96,7 +97,8 @@ class LlamaModel(nn.Cell):
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
-        shape, kv_type = (num_slots, cfg.num_kv_heads, cfg.head_dim), KV_DTYPES[backend.kv_dtype]
+        row = kv_head_bytes(cfg.head_dim, backend.kv_dtype) // np.dtype(KV_DTYPES[backend.kv_dtype]).itemsize
+        shape, kv_type = (num_slots, cfg.num_kv_heads, row), KV_DTYPES[backend.kv_dtype]
         if self.one_op_stack:  # every layer's cache in one Parameter, as the stack op takes them
             self.k_cache, self.v_cache = (zeros_param(f"{kv}_cache", (cfg.num_layers, *shape), kv_type) for kv in "kv")
         else:

@@ -88,16 +88,19 @@ def _gguf_shape(path: Path) -> ModelShape:
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
-    """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16); float16 with
-    int8 weights; else float32. 16-bit caches need the native kernels (else float32).
+    """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16); int8 with int8
+    weights; else float32. 16-bit and int8 caches need the native kernels (else float32).
 
-    int8: a 64-row decode step reads the whole cache (at 192 keys of context 4x the weights' bytes),
-    so halving it made a SmolLM2 step at 128 keys 0.91x the time (Zen 3, same process, alternating);
-    perplexity +0.60% over fp32 against +0.77% with a float32 cache (eval_quant's 533 tokens)."""
+    int8 weights: a 64-row decode step reads the whole cache (at 192 keys of context 4x the weights'
+    bytes), and paged attention's time follows its bytes. A float16 cache made a SmolLM2 step at 128
+    keys 0.91x a float32 one's time (Zen 3); an int8 cache (hd + 4 bytes a head row) served the
+    all-at-once run 1.07x and 1.30x faster than float16 (Zen 4, alternating servers). Perplexity
+    (eval_quant's 533 tokens, Zen 4): int8 weights +1.34% over fp32 with it against +1.29% with
+    float16; fp32 weights with an int8 cache +0.43%."""
     if not native:
         return "float32"
     if kv_cache_dtype == "auto":
-        return {"bfloat16": "bfloat16", "float16": "float16", "int8": "float16"}.get(model_dtype, "float32")
+        return {"bfloat16": "bfloat16", "float16": "float16", "int8": "int8"}.get(model_dtype, "float32")
     return kv_cache_dtype
 
 
@@ -125,9 +128,14 @@ def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
     return int((s.layers * layer + head) * per + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
 
 
+def kv_head_bytes(head_dim: int, dtype: str) -> int:
+    """One head's key (or value) of one token in the cache: int8 values carry a float32 scale."""
+    return {"float32": 4 * head_dim, "int8": head_dim + 4}.get(dtype, 2 * head_dim)
+
+
 def kv_block_bytes(s: ModelShape, block_size: int, dtype: str = "float32") -> int:
     """One KV block over all layers: K and V in the cache's dtype."""
-    return 2 * s.layers * s.kv_heads * s.head_dim * (4 if dtype == "float32" else 2) * block_size
+    return 2 * s.layers * s.kv_heads * kv_head_bytes(s.head_dim, dtype) * block_size
 
 
 def activation_bytes(s: ModelShape, tokens: int, logit_rows: int) -> int:

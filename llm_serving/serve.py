@@ -80,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "float16", "int8"],
                     help="model_config.model_dtype: bfloat16 keeps projection and LM head weights 16-bit, "
                          "int8 runs them as W8A8")
-    ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="model_config.kv_cache_dtype: auto = the weights' 16-bit dtype, float16 with int8 weights, else float32")
+    ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                    help="model_config.kv_cache_dtype: auto = the weights' 16-bit dtype, int8 with int8 weights, else float32")
     ap.add_argument("--device", choices=["CPU", "Ascend", "GPU"], help="serving_config.device: where the agents "
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,

@@ -27,14 +27,24 @@ import numpy as np  # noqa: E402
 from tools.bench_int8_kernel import _array_args, kernel_library  # noqa: E402
 
 BLOCK = 16
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bfloat16 as its bits
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8}  # bfloat16 as its bits
 
 
 def _cache(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     values = rng.standard_normal(shape, np.float32)
     if dtype == "bfloat16":
         return (values.view(np.uint32) >> 16).astype(np.uint16)
+    if dtype == "int8":  # each head's values, then its float32 scale (as RopeCache writes them)
+        return int8_rows(values)
     return values.astype(DTYPES[dtype])
+
+
+def int8_rows(x: np.ndarray) -> np.ndarray:
+    """[..., hd] float32 -> [..., hd + 4] int8: values rounded to max|x| / 127 steps, then the scale."""
+    amax = np.abs(x).max(-1, keepdims=True)
+    scale = (amax / 127).astype(np.float32)
+    q = np.rint(x * np.where(amax > 0, 127 / np.where(amax > 0, amax, 1), 0)).astype(np.int8)
+    return np.concatenate([q, scale.view(np.int8)], -1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = -(-ctx // BLOCK)
     slots_n = (1 + blocks * r) * BLOCK  # block 0 stays reserved, as in the agent
     rng = np.random.default_rng(0)
-    k_cache = _cache(rng, (args.layers, slots_n, args.kv_heads, hd), args.kv_dtype)
+    k_cache = _cache(rng, (args.layers, slots_n, args.kv_heads, hd), args.kv_dtype)  # [..., hd (+ 4)]
     v_cache = _cache(rng, (args.layers, slots_n, args.kv_heads, hd), args.kv_dtype)
     q = (rng.standard_normal((r, args.heads * hd), np.float32) / np.sqrt(hd)).astype(np.float32)
     pos = np.arange(ctx)
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {describe()}; {cores} core(s)")
     print(f"{r} rows x {ctx} keys, {args.heads} heads on {args.kv_heads} KV heads of {hd}, {args.kv_dtype} cache, "
           f"{args.layers} layers ({k_cache.nbytes * 2 / 2**20:.0f} MiB of K + V)")
-    read = r * ctx * args.kv_heads * hd * k_cache.itemsize * 2 * args.layers
+    read = r * ctx * args.kv_heads * k_cache.shape[-1] * k_cache.itemsize * 2 * args.layers
     step_ms(calls)  # first touch of the outputs and the kernel's thread-local buffers
     from_memory, in_cache = step_ms(calls), step_ms(same)
     bw = read_bandwidth(cores)

@@ -2,7 +2,7 @@
 that ships with the project (tools/data/eval_corpus.txt) and agreement of greedy continuations of a
 fixed prompt set. Runs our real runner (MindSpore graphs, native kernels) in this process.
 
-    python tools/eval_quant.py [--model smollm2] [--dtype int8] [--tokens 16] [--groups 64,0]
+    python tools/eval_quant.py [--model smollm2] [--dtype int8] [--tokens 16] [--groups 64,0] [--kv auto,int8]
                                [--llama-cpp .peers/llamacpp/bin/llama-server --gguf-dir .peers/models/smollm2]
 
 --llama-cpp adds the same greedy comparison for llama.cpp's q8_0 against its own f32, from
@@ -38,7 +38,7 @@ PROMPTS = [
 BLOCK = 16
 
 
-def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32, group: int = 64):
+def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32, group: int = 64, kv: str = "auto"):
     from agent.calibrate import CALIBRATION_TEXT
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
     from agent.weights import load_model
@@ -50,7 +50,7 @@ def build_runner(model: str, dtype: str, max_len: int = 1024, max_rows: int = 32
     cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8")
     rc = RunnerConfig(num_blocks=max_rows * max_len // BLOCK + 1, block_size=BLOCK, max_model_len=max_len,
                       token_buckets=[max_rows, 512], max_running=max_rows, model_dtype=dtype,
-                      int8_group=group)
+                      kv_cache_dtype=kv, int8_group=group)
     tok = load_tokenizer(files)
     return ModelRunner(cfg, weights, rc, calibration=tok.encode(CALIBRATION_TEXT)), tok
 
@@ -100,14 +100,15 @@ def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-def evaluate(model: str, dtype: str, n: int, group: int = 64) -> dict:
+def evaluate(model: str, dtype: str, n: int, group: int = 64, kv: str = "auto") -> dict:
     t0 = time.monotonic()
-    runner, tok = build_runner(model, dtype, group=group)
+    runner, tok = build_runner(model, dtype, group=group, kv=kv)
     corpus = tok.encode(CORPUS.read_text())
     ppl, top = perplexity(runner, corpus)
     continuations = greedy(runner, [tok.encode(p) for p in PROMPTS], n)
     if dtype == "int8":
         dtype += f" (group <= {group})" if group else " (8 groups per row)"
+    dtype += f", {runner.kv_dtype} KV"
     return {"dtype": dtype, "perplexity": ppl, "tokens": len(corpus), "top": top, "greedy": continuations,
             "seconds": time.monotonic() - t0, "weight_bytes": runner.model.weight_bytes}
 
@@ -156,11 +157,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="int8")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--groups", default="64", help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row)")
+    ap.add_argument("--kv", default="auto", help="KV cache dtypes to compare for --dtype (kv_cache_dtype values)")
     ap.add_argument("--llama-cpp", help="a llama-server binary: also compare llama.cpp q8_0 with its f32")
     ap.add_argument("--gguf-dir", type=Path, help="folder with model-f32.gguf and model-q8_0.gguf")
     args = ap.parse_args()
     base = evaluate(args.model, "float32", args.tokens)
-    tests = [evaluate(args.model, args.dtype, args.tokens, int(g)) for g in args.groups.split(",")]
+    tests = [evaluate(args.model, args.dtype, args.tokens, int(g), kv) for g in args.groups.split(",")
+             for kv in args.kv.split(",")]
     print(f"corpus: {CORPUS.name}, {base['tokens']} tokens; {len(PROMPTS)} prompts x {args.tokens} greedy tokens")
     print(f"| dtype | perplexity | vs float32 | same top token (corpus) | greedy identical: {args.tokens} / 8 / 4 "
           "tokens | weights MiB |")

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_rows.h"
 #include "parallel.h"
 #include "rows.h"
 
@@ -49,7 +50,8 @@ extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, c
 
 namespace {
 
-// k and v are written in the KV cache's dtype: float32, bfloat16 bits (uint16) or float16.
+// k and v are written in the KV cache's dtype: float32, bfloat16 bits (uint16), float16, or int8
+// (a head's hd values, then their float32 scale: max|x| / 127, rounded to nearest even).
 inline void put(float x, float *d) { *d = x; }
 // float16 saturates at its largest finite value: one outlier key must not become inf (NaN scores).
 inline void put(float x, _Float16 *d) { *d = static_cast<_Float16>(std::clamp(x, -65504.f, 65504.f)); }
@@ -57,6 +59,19 @@ inline void put(float x, uint16_t *d) {  // bfloat16, rounded to nearest even
   uint32_t u;
   std::memcpy(&u, &x, 4);
   *d = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// One head's hd values x into its cache row d.
+template <typename T>
+inline void put_head(const float *x, int64_t hd, T *d) {
+  for (int64_t i = 0; i < hd; ++i) put(x[i], d + i);
+}
+inline void put_head(const float *x, int64_t hd, int8_t *d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < hd; ++i) d[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  std::memcpy(d + hd, &scale, 4);
 }
 
 template <typename T>
@@ -67,9 +82,10 @@ int rope(void **params, int64_t **shapes) {
   T *kc = static_cast<T *>(params[5]), *vc = static_cast<T *>(params[6]);
   float *q = static_cast<float *>(params[7]);
   const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0], cache_slots = shapes[5][0];
-  const int64_t kv = shapes[5][1], hd = shapes[5][2], half = hd / 2;
+  const int64_t kv = shapes[5][1], row = shapes[5][2], hd = row - kernels::SCALE_BYTES<T>, half = hd / 2;
   const int64_t qw = shapes[7][1], kw = kv * hd;
-  if (qw + 2 * kw != width) return 1;
+  if (hd <= 0 || qw + 2 * kw != width) return 1;
+  std::vector<float> roped(hd);
   for (int64_t r = 0; r < n; ++r) {
     if (slots[r] < 0 || slots[r] >= cache_slots) return 1;
     const int64_t p = std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
@@ -81,14 +97,15 @@ int rope(void **params, int64_t **shapes) {
         o[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
       }
     }
-    T *k = kc + slots[r] * kw, *v = vc + slots[r] * kw;
+    T *k = kc + slots[r] * kv * row, *v = vc + slots[r] * kv * row;
     for (int64_t h = 0; h < kv; ++h, src += hd) {
       for (int64_t i = 0; i < half; ++i) {
-        put(src[i] * c[i] - src[i + half] * s[i], k + h * hd + i);
-        put(src[i + half] * c[i + half] + src[i] * s[i + half], k + h * hd + i + half);
+        roped[i] = src[i] * c[i] - src[i + half] * s[i];
+        roped[i + half] = src[i + half] * c[i + half] + src[i] * s[i + half];
       }
+      put_head(roped.data(), hd, k + h * row);
     }
-    for (int64_t i = 0; i < kw; ++i) put(src[i], v + i);
+    for (int64_t h = 0; h < kv; ++h, src += hd) put_head(src, hd, v + h * row);
   }
   return 0;
 }
@@ -100,7 +117,8 @@ int rope(void **params, int64_t **shapes) {
 // instead of rope, split and two scatters (the op is marked as writing memory, so MindSpore orders
 // the cache's later reads after it). Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables
 // [max_position, hd], positions [n], slots [n] int32, k_cache/v_cache [S, kv, hd] (float32, uint16
-// bfloat16 bits or float16; written in place). Output: q [n, h * hd] float32.
+// bfloat16 bits or float16) or [S, kv, hd + 4] (int8 and a scale per head; written in place).
+// Output: q [n, h * hd] float32.
 extern "C" int RopeCache(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                          void *extra) {
   if (nparam != 8 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") ||
@@ -109,6 +127,7 @@ extern "C" int RopeCache(int nparam, void **params, int *ndims, int64_t **shapes
   if (f32(dtypes[5])) return rope<float>(params, shapes);
   if (!std::strcmp(dtypes[5], "uint16")) return rope<uint16_t>(params, shapes);
   if (!std::strcmp(dtypes[5], "float16")) return rope<_Float16>(params, shapes);
+  if (!std::strcmp(dtypes[5], "int8")) return rope<int8_t>(params, shapes);
   return 1;
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_rows.h"
 #include "linear.h"
 #include "parallel.h"
 #include "rows.h"
@@ -74,7 +75,7 @@ int attention_then(Op *project, int nparam, void **params, int *ndims, int64_t *
                    void *stream, void *extra) {
   constexpr int MAX_PARAMS = 16;
   if (nparam <= ATTN_INPUTS + 1 || nparam > MAX_PARAMS || ndims[0] != 2 || ndims[5] != 3) return 1;
-  const int64_t n = shapes[0][0], q_width = shapes[0][1] - 2 * shapes[5][1] * shapes[5][2];
+  const int64_t n = shapes[0][0], q_width = shapes[0][1] - 2 * shapes[5][1] * kernels::cache_head_dim(shapes[5][2], dtypes[5]);
   thread_local std::vector<float> attn;
   attn.resize(static_cast<size_t>(n * q_width));
   int64_t attn_shape[2] = {n, q_width};

@@ -5,10 +5,14 @@
 // prefill chunk) gather each KV head's context once per block of queries and run scores and the
 // weighted sum of V as two GEMMs per query head (dot products per key were 1.4x slower there).
 //
-// The KV cache is float32, bfloat16 (uint16 bits) or float16 (kv_cache_dtype): keys and values are
-// widened to fp32 as they are loaded, all arithmetic is fp32.
+// The KV cache is float32, bfloat16 (uint16 bits), float16 or int8 (kv_cache_dtype): keys and values
+// are widened to fp32 as they are loaded (int8 times its row's scale), all arithmetic is fp32. An
+// int8 cache row of a head is hd values, then their float32 scale (kv_rows.h). Decode attention
+// streams the cache from memory at a rate set by its bytes (float32 took 1.86x float16's time, 64
+// rows x 192 keys, Zen 4): int8 takes 0.53x float16's bytes, and that step 0.73-0.78x its time.
 //
-// Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd] (T),
+// Inputs: q [N, H*hd] (attention scale already folded in), k_cache/v_cache [S, kv, hd] (T; int8:
+// [S, kv, hd + 4]),
 // ctx_slots [R, C] (cache slot of each context position of each sequence), token_rows [N] (the
 // sequence of each token; a sequence's tokens are contiguous), positions [N] (token n sees context
 // positions 0..positions[n]). Output [N, H*hd].
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include "dnnl.h"
+#include "kv_rows.h"
 #include "parallel.h"
 #include "rows.h"
 
@@ -32,6 +37,15 @@ struct Bf16 {
   uint16_t bits;
 };
 
+// The scale of a cache row of one head whose hd values start at p.
+template <typename T>
+inline float row_scale(const T *, int64_t) { return 1.f; }
+inline float row_scale(const int8_t *p, int64_t hd) {
+  float s;
+  std::memcpy(&s, p + hd, 4);
+  return s;
+}
+
 template <typename T>
 struct Args {
   const float *q;
@@ -40,6 +54,8 @@ struct Args {
   float *out;
   int64_t n, kv, hd, grp, ctx;
   const int32_t *row_slots(int64_t token) const { return slots + rows[token] * ctx; }
+  int64_t head_row() const { return hd + kernels::SCALE_BYTES<T>; }  // T elements per head in a cache row
+  int64_t stride() const { return kv * head_row(); }         // T elements per slot
 };
 
 // 8 floats: one AVX register, two NEON registers; GCC/Clang vector extensions keep this portable.
@@ -47,6 +63,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef _Float16 f16x8 __attribute__((vector_size(16), aligned(2)));
+typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
 constexpr int64_t KEYS = 4;  // keys scored together: independent FMA chains hide their latency
 
 inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
@@ -68,7 +85,15 @@ inline v8 load(const _Float16 *p) {
   return __builtin_convertvector(*reinterpret_cast<const f16x8 *>(p), v8);
 #endif
 }
+inline v8 load(const int8_t *p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const i8x8 *>(p), v8);
+#endif
+}
 inline float widen(float x) { return x; }
+inline float widen(int8_t x) { return static_cast<float>(x); }
 inline float widen(_Float16 x) { return static_cast<float>(x); }
 inline float widen(Bf16 x) {
   const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
@@ -124,6 +149,18 @@ inline void prefetch_rows(const T *cache, const int32_t *slots, int64_t n, int64
   }
 }
 
+// One KV head's int8 rows at slots[0..n) as floats (each value times its row's scale) into f [n, HD]:
+// in a decode row the query heads sharing that KV head then read them from L1 (widening an int8
+// takes two instructions and a scale, against one for float16).
+template <int64_t HD>
+void dequantize(const int8_t *c, const int32_t *slots, int64_t n, int64_t stride, float *f) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t *r = c + slots[j] * stride;
+    const v8 scale = v8{} + row_scale(r, HD);
+    for (int64_t i = 0; i < HD / 8; ++i) *reinterpret_cast<v8 *>(f + j * HD + 8 * i) = load(r + 8 * i) * scale;
+  }
+}
+
 // s <- e^(s - peak) over [0, len); returns their sum.
 float exp_sum(float *s, int64_t len, float peak) {
   float sum = 0.f;
@@ -162,8 +199,10 @@ constexpr int64_t KEY_BLOCK = 16;
 template <int64_t HD, typename T>
 void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1, int64_t j0, int64_t j1, float *o,
                 float *stats) {
-  const int64_t h0 = g0 * a.grp, h1 = g1 * a.grp, heads = h1 - h0, width = a.kv * a.grp * HD, stride = a.kv * HD;
-  thread_local std::vector<float> s;
+  const int64_t h0 = g0 * a.grp, h1 = g1 * a.grp, heads = h1 - h0, width = a.kv * a.grp * HD, stride = a.stride();
+  constexpr bool Q8 = std::is_same_v<T, int8_t>;
+  static constexpr int32_t BLOCK_ROWS[KEY_BLOCK] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  thread_local std::vector<float> s, deq(KEY_BLOCK * HD);  // deq: an int8 block of one KV head as floats
   s.resize(h1 * a.ctx);
   const int32_t *slots = a.row_slots(row);
   const float *q = a.q + row * width;
@@ -172,7 +211,12 @@ void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1, int64_t j
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t p0 = next * (h - h0) / heads, p1 = next * (h - h0 + 1) / heads;  // this head's share
       prefetch_rows(a.kc, slots + j + n + p0, p1 - p0, stride);
-      score<HD>(q + h * HD, a.kc + h / a.grp * HD, slots + j, n, stride, &s[h * a.ctx + j]);
+      if constexpr (Q8) {
+        if ((h - h0) % a.grp == 0) dequantize<HD>(a.kc + h / a.grp * a.head_row(), slots + j, n, stride, deq.data());
+        score<HD>(q + h * HD, deq.data(), BLOCK_ROWS, n, HD, &s[h * a.ctx + j]);
+      } else {
+        score<HD>(q + h * HD, a.kc + h / a.grp * a.head_row(), slots + j, n, stride, &s[h * a.ctx + j]);
+      }
     }
   }
   for (int64_t h = h0; h < h1; ++h) {
@@ -190,7 +234,12 @@ void attend_row(const Args<T> &a, int64_t row, int64_t g0, int64_t g1, int64_t j
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t p0 = next * (h - h0) / heads, p1 = next * (h - h0 + 1) / heads;
       prefetch_rows(a.vc, slots + j + n + p0, p1 - p0, stride);
-      weigh<HD>(&s[h * a.ctx + j], a.vc + h / a.grp * HD, slots + j, n, stride, o + h * HD);
+      if constexpr (Q8) {
+        if ((h - h0) % a.grp == 0) dequantize<HD>(a.vc + h / a.grp * a.head_row(), slots + j, n, stride, deq.data());
+        weigh<HD>(&s[h * a.ctx + j], deq.data(), BLOCK_ROWS, n, HD, o + h * HD);
+      } else {
+        weigh<HD>(&s[h * a.ctx + j], a.vc + h / a.grp * a.head_row(), slots + j, n, stride, o + h * HD);
+      }
     }
   }
 }
@@ -215,23 +264,25 @@ void merge(int64_t parts, int64_t heads, int64_t hd, const float *o, const float
 // Any other head size: plain loops.
 template <typename T>
 void attend_any(const Args<T> &a, int64_t row, int64_t g0, int64_t g1) {
-  const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.kv * hd;
+  const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.stride();
   std::vector<float> s(a.ctx);
   const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
   const int32_t *slots = a.row_slots(row);
   for (int64_t h = g0 * a.grp; h < g1 * a.grp; ++h) {
     const float *q = a.q + row * width + h * hd;
-    const T *kc = a.kc + (h / a.grp) * hd, *vc = a.vc + (h / a.grp) * hd;
+    const T *kc = a.kc + (h / a.grp) * a.head_row(), *vc = a.vc + (h / a.grp) * a.head_row();
     for (int64_t j = 0; j < len; ++j) {
       float acc = 0.f;
       for (int64_t d = 0; d < hd; ++d) acc += q[d] * widen(kc[slots[j] * stride + d]);
-      s[j] = acc;
+      s[j] = acc * row_scale(kc + slots[j] * stride, hd);
     }
     softmax(s.data(), len);
     float *o = a.out + row * width + h * hd;
     std::fill(o, o + hd, 0.f);
-    for (int64_t j = 0; j < len; ++j)
-      for (int64_t d = 0; d < hd; ++d) o[d] += s[j] * widen(vc[slots[j] * stride + d]);
+    for (int64_t j = 0; j < len; ++j) {
+      const float w = s[j] * row_scale(vc + slots[j] * stride, hd);
+      for (int64_t d = 0; d < hd; ++d) o[d] += w * widen(vc[slots[j] * stride + d]);
+    }
   }
 }
 
@@ -247,7 +298,7 @@ constexpr int64_t GEMM_MIN_QUERIES = 8;
 // Queries [t0, t1) of one sequence against KV head g, for the grp query heads that share it.
 template <typename T>
 void attend_gemm(const Args<T> &a, int64_t t0, int64_t t1, int64_t g) {
-  const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.kv * hd, m = t1 - t0;
+  const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.stride(), m = t1 - t0;
   int64_t len = 0;
   for (int64_t t = t0; t < t1; ++t) len = std::max(len, visible(a, t));
   thread_local std::vector<float> keys, vals, s;
@@ -256,10 +307,11 @@ void attend_gemm(const Args<T> &a, int64_t t0, int64_t t1, int64_t g) {
   s.resize(m * len);
   const int32_t *slots = a.row_slots(t0);
   for (int64_t j = 0; j < len; ++j) {
-    const T *k = a.kc + slots[j] * stride + g * hd, *v = a.vc + slots[j] * stride + g * hd;
+    const T *k = a.kc + slots[j] * stride + g * a.head_row(), *v = a.vc + slots[j] * stride + g * a.head_row();
+    const float sk = row_scale(k, hd), sv = row_scale(v, hd);
     for (int64_t d = 0; d < hd; ++d) {
-      keys[j * hd + d] = widen(k[d]);
-      vals[j * hd + d] = widen(v[d]);
+      keys[j * hd + d] = widen(k[d]) * sk;
+      vals[j * hd + d] = widen(v[d]) * sv;
     }
   }
   for (int64_t h = g * a.grp; h < (g + 1) * a.grp; ++h) {
@@ -301,7 +353,8 @@ int run(void **params, int64_t **shapes) {
   Args<T> a{static_cast<const float *>(params[0]), static_cast<const T *>(params[1]),
             static_cast<const T *>(params[2]), static_cast<const int32_t *>(params[3]),
             static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
-            static_cast<float *>(params[6]), shapes[0][0], shapes[1][1], shapes[1][2], 0, shapes[3][1]};
+            static_cast<float *>(params[6]), shapes[0][0], shapes[1][1], shapes[1][2] - kernels::SCALE_BYTES<T>, 0, shapes[3][1]};
+  if (a.hd <= 0 || a.kv <= 0 || shapes[0][1] % (a.kv * a.hd)) return 1;
   a.grp = shapes[0][1] / (a.kv * a.hd);
   const int64_t n_rows = shapes[3][0];
   for (int64_t t = 0; t < a.n; ++t)
@@ -365,5 +418,6 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
   if (!std::strcmp(dtypes[1], "float32")) return run<float>(params, shapes);
   if (!std::strcmp(dtypes[1], "uint16")) return run<Bf16>(params, shapes);  // bfloat16 bits
   if (!std::strcmp(dtypes[1], "float16")) return run<_Float16>(params, shapes);
+  if (!std::strcmp(dtypes[1], "int8")) return run<int8_t>(params, shapes);  // rows of hd values + a float32 scale
   return 1;
 }

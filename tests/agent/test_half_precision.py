@@ -93,9 +93,10 @@ def test_avx2_build_without_onednn_bf16(tmp_path):
     assert "AVX2" in out.stdout and "converted to fp32" in out.stdout, out.stdout
 
 
-# (weights, KV cache, relative logit tolerance): bf16 rounds to 8 significant bits, fp16 to 11.
+# (weights, KV cache, relative logit tolerance): bf16 rounds to 8 significant bits, fp16 to 11, an int8
+# cache to 1/127 of each head row's largest value (measured within 2^-6 of the largest logit, not 2^-7).
 VARIANTS = [("bfloat16", "auto", 8 * BF16_REL), ("float16", "auto", 2.0 ** -8), ("float32", "bfloat16", 8 * BF16_REL),
-            ("float32", "float16", 2.0 ** -8)]
+            ("float32", "float16", 2.0 ** -8), ("float32", "int8", 2.0 ** -6)]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{w}-weights-{kv}-kv" for w, kv, _ in VARIANTS])
@@ -103,7 +104,8 @@ def bf16_runner(request, tiny_weights):
     dtype, kv, rel = request.param
     runner = make_runner(tiny_weights, 16, dtype=dtype, kv_dtype=kv)
     assert runner.kv_dtype == (dtype if kv == "auto" else kv)
-    assert runner.model.k_cache[0].asnumpy().dtype == {"bfloat16": np.uint16, "float16": np.float16}[runner.kv_dtype]
+    assert runner.model.k_cache[0].asnumpy().dtype == {"bfloat16": np.uint16, "float16": np.float16,
+                                                        "int8": np.int8}[runner.kv_dtype]
     runner.rel_tol = rel
     return runner
 

@@ -38,18 +38,20 @@ def test_bad_kv_cache_memory_is_a_config_error(tmp_path, bad):
         load_config(path)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_planned_bytes_are_the_models_bytes(tiny_weights, dtype):
-    """The plan's weight and KV bytes are what the built model holds (within 2%: norms, padding)."""
+    """The plan's weight and KV bytes are what the built model holds (weights within 2%: norms; an
+    int8 KV row carries its scale). The tiny model's int8 rows pad to 8 groups (17% here), so its
+    weights are not compared."""
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
     from tests.conftest import tiny_model_config
 
     setup_mindspore()
     rc = RunnerConfig(num_blocks=40, block_size=16, max_model_len=128, token_buckets=[1], max_running=1,
                       model_dtype=dtype)
-    model = ModelRunner(tiny_model_config(), tiny_weights, rc).model
+    model = ModelRunner(tiny_model_config(), tiny_weights, rc, calibration=list(range(3, 40))).model
     planned = weight_bytes(TINY_SHAPE, dtype)
-    assert abs(model.weight_bytes - planned) <= 0.02 * planned, (model.weight_bytes, planned)
+    assert dtype == "int8" or abs(model.weight_bytes - planned) <= 0.02 * planned, (model.weight_bytes, planned)
     assert model.kv_cache_bytes == 40 * kv_block_bytes(TINY_SHAPE, 16, dtype)  # KV auto: the weights' dtype
 
 
