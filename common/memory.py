@@ -171,6 +171,7 @@ class MemoryPlan:
     available: int | None
     num_blocks: int
     device: str = "CPU"
+    kv_dtype: str = "float32"
 
     @property
     def per_agent(self) -> int:
@@ -185,10 +186,10 @@ class MemoryPlan:
         if self.device != "CPU" or self.available is None or self.total <= self.available:
             return None
         return (f"the config needs {gib(self.total)} ({self.agents} agent(s) x {gib(self.per_agent)}: weights "
-                f"{gib(self.weights)}, KV cache {gib(self.kv)} ({self.num_blocks} blocks), activations "
+                f"{gib(self.weights)}, KV cache {gib(self.kv)} ({self.num_blocks} {self.kv_dtype} blocks), activations "
                 f"{gib(self.activations)}, runtime {gib(self.runtime)}) and this host has {gib(self.available)} "
-                "available: use model_dtype bfloat16 or int8, fewer pa_config.num_blocks (or num_blocks: auto), "
-                "or fewer agents")
+                "available: use model_dtype bfloat16 or int8, kv_cache_dtype int8, fewer pa_config.num_blocks (or "
+                "num_blocks: auto), or fewer agents")
 
     def describe(self) -> str:
         where = "device memory is not checked from here" if self.device != "CPU" else (
@@ -196,7 +197,7 @@ class MemoryPlan:
         return "\n".join([
             f"per agent: {gib(self.per_agent)}",
             f"  weights      {gib(self.weights)}",
-            f"  KV cache     {gib(self.kv)} ({self.num_blocks} blocks)",
+            f"  KV cache     {gib(self.kv)} ({self.num_blocks} {self.kv_dtype} blocks)",
             f"  activations  {gib(self.activations)} (largest step)",
             f"  runtime      {gib(self.runtime)}",
             f"agents on this host: {self.agents}; total {gib(self.total)}; {where}",
@@ -238,4 +239,4 @@ def plan(cfg: Any, files: ModelFiles, agents: int) -> MemoryPlan:
         cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + RUNTIME_BYTES, available)
     kv_dtype = kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU")
     return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size, kv_dtype), activations, RUNTIME_BYTES,
-                      agents, available, cfg.num_blocks, cfg.device)
+                      agents, available, cfg.num_blocks, cfg.device, kv_dtype)
