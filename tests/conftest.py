@@ -71,7 +71,7 @@ def tiny_model_dir(tmp_path_factory, tiny_weights) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_fp32_eval() -> dict:
     """SmolLM2's float32 perplexity and greedy continuations (tools/eval_quant.py): the reference the
-    int8 and 16-bit accuracy tests compare with, computed once per session (~15 s)."""
+    int8 and 16-bit accuracy tests compare with, computed once per session (~25 s)."""
     from tools.eval_quant import evaluate
 
     return evaluate("smollm2", "float32", 4)
