@@ -18,6 +18,7 @@ from agent.kernels import custom_ops, line_aligned
 from agent.projections import fp32_projections, int8_projections, lm_head
 from agent.attention import NativeAttention, PlainAttention
 from agent.quant import Int8Rows
+from common.config import QUANT_GROUP_SIZE
 
 BF16_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp)
 DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -353,7 +354,7 @@ class Backend:
     dtype: str = "float32"
     lib: str | None = None
     kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32
-    int8_group: int = 64
+    int8_group: int = QUANT_GROUP_SIZE
     ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
     tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
 

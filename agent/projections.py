@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from agent.quant import Int8Rows, concat, quantize, smoothing
+from common.config import QUANT_GROUP_SIZE
 
 Weights = Mapping[str, Any]  # float32 arrays, or Int8Rows for tensors a file held as int8
 
@@ -81,7 +82,7 @@ def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, 
 
 
 def lm_head(cfg: Any, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]] | None = None,
-            group: int = 64) -> tuple[Any, np.ndarray]:
+            group: int = QUANT_GROUP_SIZE) -> tuple[Any, np.ndarray]:
     """The output projection [vocab, hidden] (the embedding when tied) and its input factor (the
     final norm gain; with int8, over the smoothing factor)."""
     head = w.get("lm_head.weight")

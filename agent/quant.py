@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.config import QUANT_GROUP_SIZE
+
 LANES = 8  # groups per block: one per int32 lane of the kernel's accumulators
 QMAX = 127  # symmetric: -128 never occurs, so |x| * sign(w) in the kernel cannot overflow
 ALPHA = 0.5  # SmoothQuant's migration strength (agent/calibrate); 0.4-0.5 measured best on SmolLM2
@@ -80,7 +82,7 @@ def _pack(q: np.ndarray, scale: np.ndarray, k: int, group: int) -> Int8Rows:
     return Int8Rows(interleave(full, group), scales, k)
 
 
-def quantize(w: np.ndarray, group: int = 64, exact: bool = False) -> Int8Rows:
+def quantize(w: np.ndarray, group: int = QUANT_GROUP_SIZE, exact: bool = False) -> Int8Rows:
     """Float weights [N, K] -> int8 with scale max|w| / 127 per group of group_for(K, group) inputs,
     or of `group` itself when exact (round to nearest)."""
     w = np.asarray(w, np.float32)

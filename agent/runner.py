@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import QUANT_GROUP_SIZE
 from agent import kernels
 from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
@@ -50,7 +51,7 @@ class RunnerConfig:
     native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
     model_dtype: str = "float32"  # or "bfloat16" / "int8" projections (agent.layers; need the native kernels)
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (common.config.kv_dtype_for)
-    int8_group: int = 64  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
+    int8_group: int = QUANT_GROUP_SIZE  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
     tp: Group = Group()  # this runner's rank of a tensor-parallel group (agent.tensor_parallel)
 
     def __post_init__(self) -> None:

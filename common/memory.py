@@ -95,8 +95,8 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> 
     bytes), and paged attention's time follows its bytes. A float16 cache made a SmolLM2 step at 128
     keys 0.91x a float32 one's time (Zen 3); an int8 cache (hd + 4 bytes a head row) served the
     all-at-once run 1.07x and 1.30x faster than float16 (Zen 4, alternating servers). Perplexity
-    (eval_quant's ~5000 tokens, Zen 4): int8 weights +0.61% over fp32 with it against +0.52% with
-    float16 (standard errors 0.10-0.13 points); fp32 weights with an int8 cache +0.15%."""
+    (eval_quant's ~5000 tokens, Zen 4): int8 weights +0.57% over fp32 with it against +0.43% with
+    float16 (standard errors 0.12-0.14 points); fp32 weights with an int8 cache +0.15%."""
     if not native:
         return "float32"
     if kv_cache_dtype == "auto":

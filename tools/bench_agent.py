@@ -5,7 +5,7 @@ the same weights, as ratios in one run.
     python tools/bench_agent.py [--model smollm2] [--batches 1,8,32,64] [--context 128]
                                 [--dtypes float32,int8,int8:64]
 
---dtypes runs one runner per entry (int8:G = at most G inputs per int8 scale, 64 when omitted; 0: 8 per row) and
+--dtypes runs one runner per entry (int8:G = at most G inputs per int8 scale, 72 when omitted; 0: 8 per row) and
 adds a column per entry after the first, with its speed-up over the first.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from common.config import QUANT_GROUP_SIZE  # noqa: E402
 from common.cpu import describe, read_bandwidth  # noqa: E402
 
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype, _, group = spec.partition(":")
         rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
                           token_buckets=batches + [args.prefill], max_running=max(batches), model_dtype=dtype,
-                          kv_cache_dtype=kv or "auto", int8_group=int(group or 64))
+                          kv_cache_dtype=kv or "auto", int8_group=int(group or QUANT_GROUP_SIZE))
         runners[v] = ModelRunner(cfg, weights, rc, calibration=calibration)
         print(f"{v}: weights {runners[v].model.weight_bytes / 2**20:.0f} MiB")
     arena = Arena.private(ArenaSpec(max(batches) + args.prefill, max(batches), per_seq))

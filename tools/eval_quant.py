@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from common.config import QUANT_GROUP_SIZE  # noqa: E402
+
 CORPUS = Path(__file__).with_name("data") / "eval_corpus.txt"
 PROMPTS = [
     "The capital of France is", "Once upon a time, in a small village,", "The three primary colors are",
@@ -45,7 +47,7 @@ BLOCK = 16
 WINDOW = 1024  # tokens per perplexity window: the runner's max_model_len
 
 
-def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 32, group: int = 64, kv: str = "auto"):
+def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 32, group: int = QUANT_GROUP_SIZE, kv: str = "auto"):
     from agent.calibrate import CALIBRATION_TEXT
     from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
     from agent.weights import load_model
@@ -118,7 +120,7 @@ def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-def evaluate(model: str, dtype: str, n: int, group: int = 64, kv: str = "auto") -> dict:
+def evaluate(model: str, dtype: str, n: int, group: int = QUANT_GROUP_SIZE, kv: str = "auto") -> dict:
     t0 = time.monotonic()
     runner, tok = build_runner(model, dtype, group=group, kv=kv)
     corpus = tok.encode(CORPUS.read_text())
@@ -182,7 +184,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="int8")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--groups", default="64", help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row)")
+    ap.add_argument("--groups", default=str(QUANT_GROUP_SIZE), help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row)")
     ap.add_argument("--kv", default="auto", help="KV cache dtypes to compare for --dtype (kv_cache_dtype values)")
     ap.add_argument("--llama-cpp", help="a llama-server binary: also compare llama.cpp q8_0 with its f32")
     ap.add_argument("--gguf-dir", type=Path, help="folder with model-f32.gguf and model-q8_0.gguf")
