@@ -21,7 +21,8 @@ BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step
 # size) get one block of 8 groups of 72 instead of two of 36, so the int8 tile scales its sums half
 # as often. SmolLM2 int8, against 64 (Zen 4, bench_agent, two runs in either order): 64-row decode
 # step 1.09-1.10x, 256-token prefill 1.05-1.08x; perplexity +0.57% against +0.61% over fp32 (± 0.14,
-# eval_quant). Rows of 1536, 2048 or 4096 inputs keep groups of 64.
+# eval_quant). Rows of 1536, 2048, 4096, 5632 or 8192 inputs keep groups of 64: groups of 72 would
+# pad them (agent.quant.group_for).
 QUANT_GROUP_SIZE = 72
 
 

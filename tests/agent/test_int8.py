@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent import kernels as native
-from agent.quant import Int8Rows, quantize
+from agent.quant import LANES, Int8Rows, group_for, quantize
 from agent.runner import setup_mindspore
 
 
@@ -42,6 +42,16 @@ def run_kernel(x: np.ndarray, rows: Int8Rows, gain: np.ndarray) -> np.ndarray:
 # (tokens, inputs, outputs, group): decode and packed-step row counts including odd tails, widths that
 # need padding, several blocks of 8 groups, and 8 groups per row (0).
 CASES = [(1, 576, 960, 64), (3, 100, 33, 32), (5, 1536, 577, 0), (7, 96, 49, 4), (130, 64, 40, 32), (2, 40, 8, 0)]
+
+
+@pytest.mark.parametrize("k,group,blocks", [(576, 72, 1), (1536, 64, 3), (5632, 64, 11), (8192, 64, 16),
+                                            (11008, 60, 23), (14336, 72, 25), (48, 8, 1)])
+def test_groups_of_at_most_72_take_the_fewest_blocks_that_pad_under_1_percent(k, group, blocks):
+    """The default target (72): fewer blocks (one scaling pass each) only where they add no padding
+    worth more than 1% of a row (8192 inputs as 15 blocks of 72 would pad 5.5%); rows too short for
+    that keep the least padding."""
+    assert group_for(k, 72) == group
+    assert -(-k // (LANES * group)) == blocks
 
 
 @pytest.mark.parametrize("m,k,n,group", CASES)
