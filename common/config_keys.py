@@ -174,8 +174,8 @@ KEYS: list[Key] = [
     Key(M, "quant_group_size", "quant_group_size", as_int, lambda v: v == 0 or v >= 4,
         "at least 4 inputs per int8 scale, or 0 (8 scales per row)",
         here="with `int8`: at most this many inputs share one int8 scale, in weights and activations (>= 4; the agent "
-             "picks the multiple of 4 that cuts a row into the fewest blocks of 8 groups: 72 for 576 inputs, 64 for "
-             "1536); `0` = 8 scales per row (faster prefill, perplexity +1.0% instead of +0.4% on SmolLM2: "
+             "picks the multiple of 4 that cuts a row into the fewest blocks of 8 groups padding it by at most 1%: 72 "
+             "for 576 inputs, 64 for 1536 or 8192); `0` = 8 scales per row (faster prefill, perplexity +1.0% instead of +0.4% on SmolLM2: "
              "docs/benchmarks.md)"),
     Key(M, "backend", None, original="`kbk` / `ge` MindFormers execution modes",
         here="warned about: the agent runs its own MindSpore graph-mode Llama"),
