@@ -354,7 +354,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
                      runner.model.weight_bytes, runner.model.streamed_bytes, runner.model.kv_cache_bytes,
                      runner.kv_dtype, activation_estimate(model_cfg, cfg), runner.kernel_paths,
                      launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
-                     tp_rank=rc.tp.rank, tp_size=rc.tp.size)
+                     tp_rank=rc.tp.rank, tp_size=rc.tp.size, pads_cost=not runner.model.one_op_stack)
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))
     server.serve()

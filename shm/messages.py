@@ -40,6 +40,7 @@ class AgentInfo(Wire):
     launcher_pid: int | None = None  # whoever restarts this agent (None: nobody)
     tp_rank: int = 0  # its rank in its model's tensor-parallel group
     tp_size: int = 1
+    pads_cost: bool = True  # a step computes its padding up to its token bucket (False: skipped, free)
     # Filled per reply:
     pid: int = 0
     attached: bool = False

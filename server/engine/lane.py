@@ -39,10 +39,15 @@ class InFlight:
     prepare_s: float  # server time to plan, encode and send it
 
 
+def pads_cost(client: AgentClient) -> bool:
+    """Whether the agent computes its steps' padding (as it said in its handshake; yes if unknown)."""
+    return client.info is None or client.info.pads_cost
+
+
 class AgentLane:
     def __init__(self, index: int, client: AgentClient, cfg: ServingConfig):
         self.index, self.client, self.cfg = index, client, cfg
-        self.sched = Scheduler(cfg)
+        self.sched = Scheduler(cfg, pads_cost(client))
         self.state = LaneState.LIVE
         # Steps in flight: two with overlap (the agent queues the second and starts it the moment
         # it replies to the first), else one.
@@ -144,7 +149,7 @@ class AgentLane:
         now; start an empty KV pool. Returns every sequence the lane held (to recompute), those of
         its steps in flight included."""
         seqs = self.sched.drain()
-        self.sched = Scheduler(self.cfg)
+        self.sched = Scheduler(self.cfg, pads_cost(self.client))
         if kill:
             self.client.kill()
         self.client.close(detach=False)

@@ -42,10 +42,11 @@ def reference(q, kc, vc, slots, token_rows, pos):
     (9, 3, 64, [1] * 5, 48), (4, 4, 128, [1] * 5, 48), (4, 2, 16, [1] * 5, 48), (6, 2, 64, [3] * 5, 48),
     (9, 3, 64, [40] * 5, 48), (4, 4, 16, [8] * 5, 48), (9, 3, 64, [1, 40, 1, 3, 9], 48),
     (4, 2, 16, [33, 1, 1, 8, 2], 48), (9, 3, 64, [1], 48), (4, 4, 128, [1], 48), (9, 3, 64, [1], 300),
-    (8, 1, 128, [1], 517)],
+    (8, 1, 128, [1], 517), (10, 2, 64, [1] * 5, 48)],
     ids=["gqa-hd64", "mha-hd128", "generic-hd16", "multi-query-rows", "prefill-gemm-gqa", "prefill-gemm-mha-hd16",
          "packed-mix-gqa", "packed-mix-hd16", "one-decode-token-gqa", "one-decode-token-mha-hd128",
-         "one-decode-token-long-context-keys-split", "one-decode-token-one-kv-head-hd128-keys-split"])
+         "one-decode-token-long-context-keys-split", "one-decode-token-one-kv-head-hd128-keys-split",
+         "gqa-5-heads-a-kv-head"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx, kv_dtype):
     """Every path, over a float32 cache and over an int8 one (rows of values and their scale, as

@@ -166,6 +166,16 @@ def test_scheduler_ends_a_step_at_a_bucket_rather_than_pad_most_of_the_next():
         s.remove(b)
 
 
+def test_scheduler_keeps_a_prompt_whole_where_the_agent_skips_padding():
+    cfg = ServingConfig(num_blocks=64, block_size=16, max_model_len=512, prefill_buckets=[128, 256],
+                        decode_buckets=[1, 4]).validate()
+    s = Scheduler(cfg, pads_cost=False)
+    a = Sequence(list(range(141)), SamplingParams(), 0.0)
+    s.add(a)
+    plan = s.schedule()  # padding to 256 is free here: the whole prompt, sampled in this step
+    assert [(p.n_tokens, p.sample) for p in plan.rows] == [(141, True)]
+
+
 def test_scheduler_preempts_newest_when_blocks_run_out():
     s = Scheduler(_cfg())  # 8 usable blocks of 4 tokens
     seqs = [Sequence(list(range(i * 10, i * 10 + 8)), SamplingParams(), float(i)) for i in range(3)]
