@@ -209,10 +209,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         return {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a)),
                 f"p99_{name}_ms": float(np.percentile(a, 99))}
 
+    # At a finite request rate no server ends before the last request is sent: output tokens over
+    # that time bound any server's output throughput (a server that answered every request the
+    # instant it came would reach it), so a ratio between two servers is capped by it too.
+    sent = [r.start for r in results if r.start]
+    span = max(sent) - min(sent) if sent else 0.0
+    bound = {"arrival_bound_throughput": out_tok / span} if span > 0.05 * duration else {}
     return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
             "total_input_tokens": in_tok, "total_output_tokens": out_tok,
             "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
-            "total_token_throughput": (in_tok + out_tok) / duration,
+            "total_token_throughput": (in_tok + out_tok) / duration, **bound,
             **stats("ttft", ttft), **stats("tpot", tpot), **stats("itl", itl), **stats("e2el", e2e),
             "errors": sorted({r.error for r in results if r.error})[:5]}
 
@@ -226,6 +232,9 @@ def print_table(s: dict[str, Any], title: str = "Serving Benchmark Result") -> N
             ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
             ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    if "arrival_bound_throughput" in s:  # see summarize
+        rows.append(("Arrival bound (tok/s):", f"{s['arrival_bound_throughput']:.2f}"))
+        rows.append(("Share of the arrival bound:", f"{s['output_throughput'] / s['arrival_bound_throughput']:.1%}"))
     for k, v in rows:
         print(f"{k:<40}{v:>10}")
     for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),

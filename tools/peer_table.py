@@ -51,6 +51,8 @@ def table(results: Path) -> str:
             for r, label in (("inf", "all at once"), ("2", "2 req/s"), ("var", "variable")):
                 if a[r] and b[r]:
                     ratio.append(f"output tok/s {label} {a[r]['output_throughput'] / b[r]['output_throughput']:.2f}x")
+                    if "arrival_bound_throughput" in b[r]:  # what no server can pass at that request rate
+                        ratio[-1] += f" (at most {b[r]['arrival_bound_throughput'] / b[r]['output_throughput']:.2f}x)"
             for r, label in (("2", "2 req/s"), ("var", "variable")):
                 if a[r] and b[r]:
                     ratio.append(f"TTFT p99 {label} {a[r]['p99_ttft_ms'] / b[r]['p99_ttft_ms']:.2f}x")
