@@ -36,8 +36,12 @@ def _on(name: str, values: np.ndarray) -> Parameter:
     return p
 
 
-def zeros_param(name: str, shape: tuple[int, ...], dtype: Any) -> Parameter:
-    return _on(name, line_aligned(shape, dtype))
+def zeros_param(name: str, shape: tuple[int, ...], dtype: Any, populate: bool = False) -> Parameter:
+    """`populate`: every page faulted in now (a write per 4 KiB page), not at its first write."""
+    values = line_aligned(shape, dtype)
+    if populate:
+        values.reshape(-1).view(np.uint8)[::4096] = 0
+    return _on(name, values)
 
 
 def param(name: str, arr: np.ndarray) -> Parameter:
