@@ -249,12 +249,15 @@ template <int MB, int NB, bool U>
 void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *cw, Shape s,
           bool pf, float *out) {
   alignas(32) float sums[MB][NB][8] = {};
+  float *accf = &sums[0][0][0];
+#if defined(__AVX512VL__)
   // The float sums stay in memory: left visible, GCC 12 kept them in registers beside the 16 int32
   // accumulators, and spilled and shuffled the lot around every block (37 vectors for 32 registers;
   // the tile's code was twice the size). Through the opaque pointer: 1.02-1.04x on SmolLM2's shapes
-  // at 64 and 256 tokens, one and two cores, Zen 4, same bits.
-  float *accf = &sums[0][0][0];
+  // at 64 and 256 tokens, one and two cores, Zen 4, same bits. Not in the AVX2 build (3 x 3 tiles,
+  // 16 registers): there it made 576 x 3072 1.08-1.11x slower (its code built -march=znver3).
   asm("" : "+r"(accf));
+#endif
   const int64_t block = LANES * s.gs;
   // g0: the block's first group (a running count: a division per block cost ~10% at G = 36)
   for (int64_t b0 = 0, g0 = 0; b0 < s.kp; b0 += block, g0 += LANES) {
