@@ -138,8 +138,21 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-// out[o] = the sum of the 8 floats at f + 8o, for o < n: eight at a time by a transpose of pair sums
+// out[o] = the sum of the 8 lanes of v[o], for o < N: eight at a time by a transpose of pair sums
 // (7 adds and 2 permutes for 8 outputs against 6 operations each); 4% of a 3 x 3 tile's time at K = 576.
+template <int N>
+inline void sum_lanes(const __m256 (&v)[N], float *out) {
+  int o = 0;
+  for (; o + 8 <= N; o += 8) {
+    const __m256 t0 = _mm256_hadd_ps(v[o], v[o + 1]), t1 = _mm256_hadd_ps(v[o + 2], v[o + 3]);
+    const __m256 t2 = _mm256_hadd_ps(v[o + 4], v[o + 5]), t3 = _mm256_hadd_ps(v[o + 6], v[o + 7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [o..o+3 low | o..o+3 high], o+4..
+    _mm256_storeu_ps(out + o, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  }
+  for (; o < N; ++o) out[o] = hsum(v[o]);
+}
+
+// The same for the float sums at f + 8o (in the same order: the same bits).
 inline void sum_lanes(const float *f, int n, float *out) {
   int o = 0;
   for (; o + 8 <= n; o += 8, f += 64) {
@@ -147,7 +160,7 @@ inline void sum_lanes(const float *f, int n, float *out) {
     const __m256 t1 = _mm256_hadd_ps(_mm256_load_ps(f + 16), _mm256_load_ps(f + 24));
     const __m256 t2 = _mm256_hadd_ps(_mm256_load_ps(f + 32), _mm256_load_ps(f + 40));
     const __m256 t3 = _mm256_hadd_ps(_mm256_load_ps(f + 48), _mm256_load_ps(f + 56));
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [o..o+3 low | o..o+3 high], o+4..
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     _mm256_storeu_ps(out + o, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
   }
   for (; o < n; ++o, f += 8) out[o] = hsum(_mm256_load_ps(f));
@@ -246,8 +259,8 @@ void tile_wide(const int8_t *x, const float *sx, const int8_t *w, const float *s
 // float sums live in memory (touched once per block of 8 groups), so the int32 accumulators get
 // the registers.
 template <int MB, int NB, bool U>
-void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *cw, Shape s,
-          bool pf, float *out) {
+void tile_blocks(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *cw, Shape s,
+                 bool pf, float *out) {
   alignas(32) float sums[MB][NB][8] = {};
   float *accf = &sums[0][0][0];
 #if defined(__AVX512VL__)
@@ -296,6 +309,53 @@ void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, co
     }
   }
   sum_lanes(accf, MB * NB, out);
+}
+
+// tile_blocks for rows of one block (K = 576 at G = 72: every SmolLM2 projection but the down one):
+// the scaled sums go from registers to the lanes' totals. Per perf the start and end of a 4 x 4
+// tile were a third of its time at K = 576: zeroing, storing and reloading the float sums.
+// fmul(x, s) = fma(x, s, 0): the same bits as tile_blocks.
+template <int MB, int NB, bool U>
+void tile_one(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *cw, Shape s,
+              bool pf, float *out) {
+  __m256i acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < s.kp; k += KB) {
+    __m256i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w + j * s.kp + k));
+    if (pf && k % 64 == 0)
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char *>(w + (j + PF_ROWS) * s.kp + k), _MM_HINT_NTA);
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + i * s.kp + k));
+#if OFFSET
+      if constexpr (U) {
+        for (int j = 0; j < NB; ++j) acc[i][j] = dpbusd(acc[i][j], xv, wv[j]);
+        continue;
+      }
+#endif
+      const __m256i ax = _mm256_sign_epi8(xv, xv);
+      for (int j = 0; j < NB; ++j) acc[i][j] = dot_add(acc[i][j], ax, xv, wv[j]);
+    }
+  }
+  __m256 v[MB * NB];
+  for (int i = 0; i < MB; ++i) {
+    const __m256 xs = _mm256_loadu_ps(sx + i * s.ng);
+    for (int j = 0; j < NB; ++j) {
+      __m256i a = acc[i][j];
+      if (U) a = _mm256_sub_epi32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(cw + j * s.ng)));
+      v[i * NB + j] = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(xs, _mm256_loadu_ps(sw + j * s.ng)));
+    }
+  }
+  sum_lanes(v, out);
+}
+
+template <int MB, int NB, bool U>
+void tile(const int8_t *x, const float *sx, const int8_t *w, const float *sw, const int32_t *cw, Shape s,
+          bool pf, float *out) {
+  if (s.kp == LANES * s.gs) return tile_one<MB, NB, U>(x, sx, w, sw, cw, s, pf, out);
+  tile_blocks<MB, NB, U>(x, sx, w, sw, cw, s, pf, out);
 }
 #else
 template <int MB, int NB, bool U>

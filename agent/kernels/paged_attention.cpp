@@ -66,7 +66,9 @@ typedef _Float16 f16x8 __attribute__((vector_size(16), aligned(2)));
 typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
 constexpr int64_t KEYS = 4;  // keys scored together: independent FMA chains hide their latency
 
-inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order of score_keys' pair sums, so that a
+// key scores the same in a group of four and alone.
+inline float hsum(v8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 inline v8 load(const float *p) { return *reinterpret_cast<const v8 *>(p); }
 // bf16 -> fp32: the bits in the upper half. With AVX2 vpmovzxwd + vpslld: GCC 12 makes 5
 // instructions of the generic form (bf16 KV took 2.4x fp32's time from cache).
@@ -210,10 +212,23 @@ inline void score_keys(const float *q, const int8_t *const *k, float *s, int64_t
       for (int t = 0; t < KN; ++t) acc[h][t] += qv * kv[t];
     }
   }
-  for (int t = 0; t < KN; ++t) {
-    const float scale = row_scale(k[t], HD);
-    for (int h = 0; h < HC; ++h) s[h * ld + t] = hsum(acc[h][t]) * scale;
+  float scale[KN];
+  for (int t = 0; t < KN; ++t) scale[t] = row_scale(k[t], HD);
+#if defined(__AVX2__)
+  if constexpr (KN == 4) {
+    // Four keys' sums at once: two rounds of pair sums and one add of the halves (8 instructions for
+    // 4 scores against 6 each, the same additions for every key).
+    const __m128 sc = _mm_loadu_ps(scale);
+    for (int h = 0; h < HC; ++h) {
+      const __m256 *a = reinterpret_cast<const __m256 *>(acc[h]);
+      const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      _mm_storeu_ps(s + h * ld, _mm_mul_ps(sc, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1))));
+    }
+    return;
   }
+#endif
+  for (int t = 0; t < KN; ++t)
+    for (int h = 0; h < HC; ++h) s[h * ld + t] = hsum(acc[h][t]) * scale[t];
 }
 
 // Rows ahead[0..n_ahead) of `ahead` (the next key block's share of these heads) are prefetched a
@@ -236,10 +251,28 @@ void score_heads(const float *q, const int8_t *kc, const int32_t *slots, int64_t
   }
 }
 
-// o[h] += sum_j p[h * ld + j] x scale_j x V_j for HC heads (o: the first head's output, HD apart).
+// Output chunks of 8 values that weigh_heads keeps in registers at once: HC x CH independent
+// multiply-add chains per key (24 of AVX-512VL's 32 registers, 8 of AVX2's 16). One chunk at a time,
+// the HC chains waited on their own latency key after key: 31 cycles a key of SmolLM2's 3 heads, in
+// cache, Zen 4 (the multiply-adds alone need 12).
+template <int64_t HD, int HC>
+constexpr int64_t value_chunks() {
+#if defined(__AVX512VL__)
+  constexpr int64_t regs = 30;
+#else
+  constexpr int64_t regs = 14;
+#endif
+  int64_t ch = HD / 8;
+  while (ch > 1 && (HC * ch + ch > regs || (HD / 8) % ch)) --ch;
+  return ch;
+}
+
+// o[h] += sum_j p[h * ld + j] x scale_j x V_j for HC heads (o: the first head's output, HD apart),
+// each output value summed over the keys in order (the same bits in any chunking).
 template <int64_t HD, int HC>
 void weigh_heads(const float *p, int64_t ld, const int8_t *vc, const int32_t *slots, int64_t n, int64_t stride,
                  float *o, const int8_t *ahead, const int32_t *ahead_slots, int64_t n_ahead) {
+  constexpr int64_t CH = value_chunks<HD, HC>(), STEPS = HD / 8 / CH;
   const int8_t *v[KEY_BLOCK];
   float w[HC][KEY_BLOCK];
   for (int64_t j = 0; j < n; ++j) {
@@ -247,16 +280,21 @@ void weigh_heads(const float *p, int64_t ld, const int8_t *vc, const int32_t *sl
     const float scale = row_scale(v[j], HD);
     for (int h = 0; h < HC; ++h) w[h][j] = p[h * ld + j] * scale;
   }
-  for (int64_t i = 0; i < HD / 8; ++i) {
-    const int64_t p0 = n_ahead * i / (HD / 8), p1 = n_ahead * (i + 1) / (HD / 8);
+  for (int64_t i = 0; i < STEPS; ++i) {
+    const int64_t p0 = n_ahead * i / STEPS, p1 = n_ahead * (i + 1) / STEPS;
     prefetch_rows(ahead, ahead_slots + p0, p1 - p0, stride);
-    v8 acc[HC];
-    for (int h = 0; h < HC; ++h) acc[h] = load(o + h * HD + 8 * i);
+    float *oi = o + 8 * CH * i;
+    v8 acc[HC][CH];
+    for (int h = 0; h < HC; ++h)
+      for (int64_t c = 0; c < CH; ++c) acc[h][c] = load(oi + h * HD + 8 * c);
     for (int64_t j = 0; j < n; ++j) {
-      const v8 x = load(v[j] + 8 * i);
-      for (int h = 0; h < HC; ++h) acc[h] += w[h][j] * x;
+      v8 x[CH];
+      for (int64_t c = 0; c < CH; ++c) x[c] = load(v[j] + 8 * (CH * i + c));
+      for (int h = 0; h < HC; ++h)
+        for (int64_t c = 0; c < CH; ++c) acc[h][c] += w[h][j] * x[c];
     }
-    for (int h = 0; h < HC; ++h) *reinterpret_cast<v8 *>(o + h * HD + 8 * i) = acc[h];
+    for (int h = 0; h < HC; ++h)
+      for (int64_t c = 0; c < CH; ++c) *reinterpret_cast<v8 *>(oi + h * HD + 8 * c) = acc[h][c];
   }
 }
 
