@@ -321,6 +321,10 @@ void tile_one(const int8_t *x, const float *sx, const int8_t *w, const float *sw
   __m256i acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_si256();
+  // A row has at least one step: told so, GCC drops the path of none, for which it had kept the
+  // accumulators in memory (16 stores and 16 loads a tile; 576 x 3072 at 64-256 tokens 1.06x faster
+  // without them, Zen 4).
+  if (s.kp <= 0) __builtin_unreachable();
 #pragma GCC unroll 2
   for (int64_t k = 0; k < s.kp; k += KB) {
     __m256i wv[NB];
