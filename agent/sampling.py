@@ -87,7 +87,8 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histori
     Reported logprobs are the model's raw log-probabilities (before penalties and temperature),
     as vLLM reports by default."""
     rows = logits.shape[0]
-    if not (params.n_logprobs.any() or needs_penalty(params).any() or (params.temperature >= SAMPLING_EPS).any()):
+    penalised = needs_penalty(params)
+    if not (params.n_logprobs.any() or penalised.any() or (params.temperature >= SAMPLING_EPS).any()):
         return _greedy(logits, lse)
     max_n = int(params.n_logprobs.max(initial=0))
     top_ids = np.zeros((rows, max_n), np.int32)
@@ -98,10 +99,10 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histori
         best = best[np.argsort(-logits[r, best], kind="stable")]
         top_ids[r, :n] = best
         top_lps[r, :n] = logits[r, best] - lse[r]
-    raw = logits.copy() if np.any(needs_penalty(params)) else logits
+    raw = logits.copy() if penalised.any() else logits
 
     failed = np.zeros(rows, bool)
-    for r in np.nonzero(needs_penalty(params))[0]:
+    for r in np.nonzero(penalised)[0]:
         hist = histories[r]
         if hist is not None:
             apply_penalties(logits[r], hist, int(params.prompt_len[r]), float(params.repetition_penalty[r]),

@@ -61,7 +61,7 @@ class SamplingColumns:
         return SimpleNamespace(**{f.metadata["param"]: f.metadata["neutral"]
                                   for f in fields(SamplingColumns) if f.metadata["param"]})
 
-    def take(self, rows: np.ndarray) -> "SamplingColumns":
+    def take(self, rows: np.ndarray | slice) -> "SamplingColumns":
         return SamplingColumns(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
 
