@@ -44,9 +44,9 @@ class NativeAttention(nn.Cell):
                 sin_table: Tensor) -> tuple:
         return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
 
-    def inputs(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
+    def inputs(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor, pro: Tensor) -> tuple:
         """The attention inputs of agent/kernels/fused.cpp's RopeAttention, in its order."""
-        return qkv, c[3], c[4], c[0], slots, k_cache, v_cache, c[1], c[2]
+        return qkv, c[3], c[4], c[0], slots, k_cache, v_cache, c[1], c[2], pro
 
     def shared(self, c: tuple, slots: Tensor) -> tuple:
         """The inputs every layer's attention shares, in agent/kernels/decoder_stack.cpp's order:
@@ -60,6 +60,7 @@ class PlainAttention(nn.Cell):
         self.block_size = block_size
         self.heads, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.width, self.qk_norm, self.qk_eps = self.q_size + 2 * self.kv_size, cfg.qk_norm, cfg.rms_eps
         half = self.hd // 2
         rot = np.zeros((self.hd, self.hd), np.float32)  # x @ rot == concat(-x2, x1): rotate-half as one matmul
         rot[np.arange(half) + half, np.arange(half)] = -1.0
@@ -81,9 +82,23 @@ class PlainAttention(nn.Cell):
         sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
         return cos, sin, token_slots, bias
 
-    def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        q, k_cache, v_cache = self._rope_write(qkv, c, slots, k_cache, v_cache)
+    def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       pro: Tensor) -> Tensor:
+        """`pro`: the layer's prologue (agent.projections.attention_prologues), applied before rope."""
+        q, k_cache, v_cache = self._rope_write(self._prologue(qkv, pro), c, slots, k_cache, v_cache)
         return self._attention(q, k_cache, v_cache, c)
+
+    def _prologue(self, qkv: Tensor, pro: Tensor) -> Tensor:
+        """The Q|K|V bias, then (where the family has it) RMSNorm over each q and k head."""
+        qkv = qkv + pro[:self.width]
+        if not self.qk_norm:
+            return qkv
+        n, hd = qkv.shape[0], self.hd
+        q, k, v = ops.split(qkv, (self.q_size, self.kv_size, self.kv_size), 1)
+        q, k = q.reshape(n, self.heads, hd), k.reshape(n, self.kv, hd)
+        q = q * ops.rsqrt(ops.mean(q * q, -1, keep_dims=True) + self.qk_eps) * pro[self.width:self.width + hd]
+        k = k * ops.rsqrt(ops.mean(k * k, -1, keep_dims=True) + self.qk_eps) * pro[self.width + hd:self.width + 2 * hd]
+        return ops.concat((q.reshape(n, -1), k.reshape(n, -1), v), 1)
 
     def _rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
         """Rope on the query and key heads at once: (q [n, H, hd], the updated caches). Keys and values

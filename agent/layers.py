@@ -157,10 +157,10 @@ class Projection(nn.Cell):
         return self.linear(self.norms.swiglu(gu), i)
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
-                         v_cache: Tensor, i: int) -> Tensor:
-        """Layer i's attention from its Q|K|V projection (`attn`: agent.attention's cell; the step's
-        keys and values go into the caches) and this projection of it."""
-        return self.linear(attn.rope_attention(qkv, c, slots, k_cache, v_cache), i)
+                         v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
+        """Layer i's attention from its Q|K|V projection and prologue `pro` (`attn`: agent.attention's
+        cell; the step's keys and values go into the caches) and this projection of it."""
+        return self.linear(attn.rope_attention(qkv, c, slots, k_cache, v_cache, pro), i)
 
 
 class PlainLinear(Projection):
@@ -249,8 +249,8 @@ class F32Linear(NativeLinear):
         return self.out(self.swiglu_op(gu, self.w0[i]))
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
-                         v_cache: Tensor, i: int) -> Tensor:
-        return self.out(self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache), self.w0[i]))
+                         v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
+        return self.out(self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache, pro), self.w0[i]))
 
 
 class Bf16Linear(F32Linear):
@@ -301,8 +301,9 @@ class Int8Linear(NativeLinear):
         return self.swiglu_op(gu, self.w0[i], self.w1[i], self.w2[i])
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
-                         v_cache: Tensor, i: int) -> Tensor:
-        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache), self.w0[i], self.w1[i], self.w2[i])
+                         v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
+        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache, pro), self.w0[i], self.w1[i],
+                            self.w2[i])
 
 
 class Alone(nn.Cell):

@@ -16,8 +16,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agent.layers import KV_DTYPES, Backend, param, zeros_param
-from agent.projections import embedding
+from agent.layers import KV_DTYPES, Backend, LayerWeights, param, zeros_param
+from agent.projections import attention_prologues, embedding
 from common.memory import kv_head_bytes
 
 
@@ -37,6 +37,11 @@ class LlamaConfig:
     max_position: int = 4096
     bos_token_id: int | None = 1
     eos_token_ids: list[int] = field(default_factory=lambda: [2])
+    family: str = "llama"  # agent.families: the family's name; what it adds to the Llama layer follows
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
+    sliding_window: int | None = None  # served only where the context fits in it (agent.families.check_context)
+    rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (GGUF `rope_freqs`: Llama 3's scaling)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -65,6 +70,8 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
         inv = inv / sc["factor"]
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    if cfg.rope_freq_factors is not None:
+        inv = inv / np.asarray(cfg.rope_freq_factors, np.float64)
     return inv
 
 
@@ -89,11 +96,16 @@ class LlamaModel(nn.Cell):
         k = backend.kernels(cfg)
         self.norms = backend.norms(cfg, k)
         self.attn = backend.attention(cfg, block_size, k)
-        proj = backend.projections(cfg, weights, 1.0 / math.sqrt(cfg.head_dim), self.norms, k)
+        attn_scale = 1.0 / math.sqrt(cfg.head_dim)
+        proj = backend.projections(cfg, weights, attn_scale, self.norms, k)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
         self.stack_op = backend.stack_op(cfg, k)  # every decoder layer in one op, or None: four a layer
         self.one_op_stack = self.stack_op is not None
+        prologues = LayerWeights("prologue", cfg.num_layers, self.one_op_stack)  # Q|K|V bias, q/k norms
+        for i, pro in enumerate(attention_prologues(cfg, weights, attn_scale)):
+            prologues.add(i, (pro,))
+        self.prologue = prologues.parameters()[0]
         self.embed = param("embed", embedding(weights).astype(np.float32))
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
@@ -135,7 +147,7 @@ class LlamaModel(nn.Cell):
         c = self.attn.context(positions, token_rows, block_tables, self.cos_table, self.sin_table)
         x = ops.gather(self.embed, tokens, 0)
         if self.one_op_stack:
-            h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, self.k_cache, self.v_cache,
+            h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, self.k_cache, self.v_cache, self.prologue,
                               *self.qkv.every_layer(), *self.o.every_layer(), *self.gate_up.every_layer(),
                               *self.down.every_layer())
         else:
@@ -150,7 +162,8 @@ class LlamaModel(nn.Cell):
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         for i in range(self.cfg.num_layers):
-            attn = self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i], self.v_cache[i], i)
+            attn = self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i], self.v_cache[i],
+                                           self.prologue[i], i)
             x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(attn), i)
             delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
             if i + 1 < self.cfg.num_layers:

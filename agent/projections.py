@@ -1,7 +1,8 @@
 """The decoder's projection matrices as the model runs them, from Hugging Face-named weights.
 
 Fused: one matrix for Q|K|V and one for gate|up, so each is one GEMM. The attention scale is folded
-into the query rows (rope is linear). fp32: each RMSNorm gain is folded into the columns of the
+into the query rows (rope is linear), or into the q norm's gain where the family has one. Q|K|V
+biases and q/k norms go into each layer's attention prologue (`attention_prologues`). fp32: each RMSNorm gain is folded into the columns of the
 matrix after it. int8: the gains stay apart (quantised weights keep their own values) and the
 kernel applies them where it quantises the activations, together with the smoothing factors of
 agent/calibrate (float weights only: a file's int8 rows are used as stored).
@@ -37,9 +38,35 @@ def _float(m: Any) -> np.ndarray:
     return m.dequantize() if isinstance(m, Int8Rows) else m
 
 
+def row_scale(cfg: Any, attn_scale: float) -> float:
+    """The factor the query rows take: the attention scale, unless a q norm follows the projection
+    (it would undo the factor, and its eps would not be scaled: the scale goes in its gain)."""
+    return 1.0 if cfg.qk_norm else attn_scale
+
+
+def attention_prologues(cfg: Any, w: Weights, attn_scale: float) -> Iterator[np.ndarray]:
+    """Per layer, what agent/kernels/fused.cpp's RopeCache applies to Q|K|V before rope, as one
+    float32 array: the bias (zeros where the family has none; the query's scaled as its rows are),
+    the q and k heads' RMSNorm gains (the attention scale in q's) and that norm's eps (0: none)."""
+    hd, q_width = cfg.head_dim, cfg.num_heads * cfg.head_dim
+    width = q_width + 2 * cfg.num_kv_heads * hd
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        out = np.zeros(width + 2 * hd + 1, np.float32)
+        if cfg.qkv_bias:
+            out[:width] = np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"])
+            out[:q_width] *= row_scale(cfg, attn_scale)
+        if cfg.qk_norm:
+            out[width:width + hd] = np.asarray(w[p + "q_norm.weight"], np.float32) * attn_scale
+            out[width + hd:width + 2 * hd] = w[p + "k_norm.weight"]
+            out[-1] = cfg.rms_eps
+        yield out
+
+
 def fp32_projections(cfg: Any, w: Weights, attn_scale: float) -> Iterator[dict[str, np.ndarray]]:
     """Per layer (one at a time: a large model never holds a second full copy), each projection's
     [out, in] float32 matrix, gains and attention scale folded in."""
+    attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
         gains = _gains(w, i, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
         out = {}
@@ -70,6 +97,7 @@ def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, 
     """Per layer, each projection's (int8 rows, input factor); `ranges` from agent.calibrate
     (None: no smoothing); `group`: at most this many inputs per weight and activation scale
     (agent.quant.group_for)."""
+    attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
         gains = _gains(w, i, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
         out = {}

@@ -169,6 +169,8 @@ class ShardedWeights(Mapping):
         t = self.w[name]
         for suffix, rows, cols in (("q_proj.weight", self.q, None), ("k_proj.weight", self.kv, None),
                                    ("v_proj.weight", self.kv, None), ("o_proj.weight", None, self.q),
+                                   ("q_proj.bias", self.q, None), ("k_proj.bias", self.kv, None),
+                                   ("v_proj.bias", self.kv, None),
                                    ("gate_proj.weight", self.ffn, None), ("up_proj.weight", self.ffn, None),
                                    ("down_proj.weight", None, self.ffn)):
             if name.endswith(suffix):

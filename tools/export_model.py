@@ -17,25 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from agent.model import LlamaConfig  # noqa: E402
-from agent.weights import LazyWeights, Weights, load_model  # noqa: E402
+from agent.model import LlamaConfig, rope_inv_freq  # noqa: E402
+from agent.lazy_weights import LazyWeights, Weights  # noqa: E402
+from agent.weights import load_model  # noqa: E402
 from common.model_files import resolve_model  # noqa: E402
-
-_GGUF_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-
 
 # Named shapes (SmolLM2's vocabulary): TinyLlama-1.1B and llama2-7B.
 SHAPES = {"llama-1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632),
@@ -137,12 +129,17 @@ def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtyp
         "add_bos_token": tok.add_bos, "chat_template": tok.chat_template}, indent=1))
 
 
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
 def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtype: str) -> None:
-    """A llama-architecture GGUF (f32, f16 or q8_0 matrices; norms stay f32, as llama.cpp's
-    converter does), with the tokenizer fields copied from `tokenizer_gguf`."""
+    """A GGUF of the model's architecture (llama for Llama and Mistral, qwen2, qwen3: f32, f16 or
+    q8_0 matrices; norms and biases stay f32, as llama.cpp's converter does), tensors named by the
+    gguf package's own map (llama.cpp's), with the tokenizer fields copied from `tokenizer_gguf`."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = GGUF_ARCH[cfg.family]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(path.stem)
     writer.add_context_length(cfg.max_position)
     writer.add_embedding_length(cfg.hidden_size)
@@ -153,6 +150,8 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(
         dtype, gguf.LlamaFileType.ALL_F32))
@@ -175,15 +174,25 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
     names = [k for k in w if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     q8 = gguf.GGMLQuantizationType.Q8_0
 
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    elif cfg.rope_scaling:  # Llama 3: per-frequency divisors as a tensor, as llama.cpp's converter writes them
+        plain = rope_inv_freq(replace(cfg, rope_scaling=None))
+        lazy, src = LazyWeights(), w
+        for k in src:  # still read one tensor at a time
+            lazy.add(k, lambda k=k: src[k], src.shape(k) if isinstance(src, LazyWeights) else src[k].shape)
+        factors = (plain / rope_inv_freq(cfg)).astype(np.float32)
+        lazy.add("rope_freqs.weight", lambda: factors, factors.shape)
+        w, names = lazy, [*names, "rope_freqs.weight"]
+    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_layers)
+
     def gguf_name(name: str) -> str:
-        if name in _GGUF_TOP:
-            return _GGUF_TOP[name]
-        _, _, i, *mid, _ = name.split(".")
-        return f"blk.{i}.{_GGUF_NAMES['.'.join(mid)]}.weight"
+        return name if name == "rope_freqs.weight" else name_map.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def gguf_array(name: str) -> np.ndarray:
         arr, kind = w[name], gguf_name(name).split(".")[-2]
-        if kind in ("attn_q", "attn_k"):
+        if arch == "llama" and kind in ("attn_q", "attn_k") and name.endswith(".weight"):
             arr = permute_qk(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         if dtype == "q8_0" and arr.ndim == 2:
             return gguf.quants.quantize(np.asarray(arr, np.float32), q8)

@@ -176,12 +176,13 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
         "logsumexp": custom("LogSumExp", lambda x: [x[0]], same),
-        # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, then the weights
-        "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[8][0] * a[8][2]],
+        # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, prologue, the weights
+        "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[9][0] * a[9][2]],
                                                       same)),
-        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[8][0]],
+        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[9][0]],
                                                          same)),
-        # inputs: x, the attention's shared 6, eps, the K and V caches, each kind's weights: every layer's stacked
+        # inputs: x, the attention's shared 6, eps, the K and V caches, the prologues, each kind's weights: every
+        # layer's stacked
         "decoder_stack": writes_memory(custom("DecoderStack", same, same)),
         "decoder_stack_i8": writes_memory(custom("DecoderStackInt8", same, same)),
         "all_reduce": custom("AllReduce", same, same),

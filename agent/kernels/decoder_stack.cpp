@@ -39,12 +39,13 @@ struct Args {
 };
 
 // Inputs, in order: x [n, H]; cos and sin tables, positions, slots, context slots, token rows (the
-// attention's shared inputs); eps [1]; the key caches [L, S, kv, hd]; the value caches; then the
+// attention's shared inputs); eps [1]; the key caches [L, S, kv, hd]; the value caches; the
+// attention prologues (fused.cpp's RopeCache: Q|K|V bias, q/k norm gains and eps) [L, P]; then the
 // weights of Q|K|V, o, gate|up and down, `per` inputs each, every layer's stacked [L, ...] (`per`:
 // 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g). Output: the final RMSNorm of
 // the last layer's output [n, H] (its gain is folded into the LM head).
 constexpr int COS = 1, SIN = 2, POSITIONS = 3, SLOTS = 4, CONTEXT = 5, ROWS = 6, EPS = 7, K_CACHE = 8, V_CACHE = 9,
-              WEIGHTS = 10;
+              PROLOGUE = 10, WEIGHTS = 11;
 
 int64_t element_bytes(const char *dtype) {
   for (const char *t : {"float32", "int32"})
@@ -119,12 +120,13 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   if (int rc = first.run(add_rms_linear, stream, extra)) return rc;
 
   for (int64_t i = 0; i < st.layers; ++i) {
-    Args a;  // attention, output projection: RopeAttention's 9 inputs (qkv first), o, the output
+    Args a;  // attention, output projection: RopeAttention's 10 inputs (qkv first), o, the output
     a.add(f32(qkv), 2, qs, "float32");
     for (int k : {COS, SIN, POSITIONS, SLOTS}) a.take(params, ndims, shapes, dtypes, k);
     st.slice(a, K_CACHE, i);
     st.slice(a, V_CACHE, i);
     for (int k : {CONTEXT, ROWS}) a.take(params, ndims, shapes, dtypes, k);
+    st.slice(a, PROLOGUE, i);
     st.weights(a, 1, i);
     a.add(f32(attn), 2, hs, "float32");
     if (int rc = a.run(attention_linear, stream, extra)) return rc;

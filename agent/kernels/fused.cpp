@@ -74,22 +74,37 @@ inline void put_head(const float *x, int64_t hd, int8_t *d) {
   std::memcpy(d + hd, &scale, 4);
 }
 
+// RMSNorm of one head in place, times its gain (Qwen3's q/k norm; the attention scale is in q's gain).
+inline void norm_head(float *x, int64_t hd, const float *gain, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < hd; ++i) ss += x[i] * x[i];
+  const float scale = 1.f / std::sqrt(ss / hd + eps);
+  for (int64_t i = 0; i < hd; ++i) x[i] = x[i] * scale * gain[i];
+}
+
 template <typename T>
 int rope(void **params, int64_t **shapes) {
   const float *qkv = static_cast<const float *>(params[0]);
   const float *cos = static_cast<const float *>(params[1]), *sin = static_cast<const float *>(params[2]);
   const int32_t *pos = static_cast<const int32_t *>(params[3]), *slots = static_cast<const int32_t *>(params[4]);
   T *kc = static_cast<T *>(params[5]), *vc = static_cast<T *>(params[6]);
-  float *q = static_cast<float *>(params[7]);
+  const float *pre = static_cast<const float *>(params[7]);
+  float *q = static_cast<float *>(params[8]);
   const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0], cache_slots = shapes[5][0];
   const int64_t kv = shapes[5][1], row = shapes[5][2], hd = row - kernels::SCALE_BYTES<T>, half = hd / 2;
-  const int64_t qw = shapes[7][1], kw = kv * hd;
-  if (hd <= 0 || qw + 2 * kw != width) return 1;
-  std::vector<float> roped(hd);
+  const int64_t qw = shapes[8][1], kw = kv * hd;
+  if (hd <= 0 || qw + 2 * kw != width || shapes[7][0] != width + 2 * hd + 1) return 1;
+  const float *q_gain = pre + width, *k_gain = q_gain + hd, qk_eps = pre[width + 2 * hd];
+  std::vector<float> roped(hd), biased(width);
   for (int64_t r = 0; r < n; ++r) {
     if (slots[r] < 0 || slots[r] >= cache_slots) return 1;
     const int64_t p = std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
-    const float *c = cos + p * hd, *s = sin + p * hd, *src = qkv + r * width;
+    const float *c = cos + p * hd, *s = sin + p * hd, *src = biased.data();
+    for (int64_t i = 0; i < width; ++i) biased[i] = qkv[r * width + i] + pre[i];  // the Q|K|V bias (or zeros)
+    if (qk_eps > 0.f) {
+      for (int64_t h = 0; h < qw / hd; ++h) norm_head(biased.data() + h * hd, hd, q_gain, qk_eps);
+      for (int64_t h = 0; h < kv; ++h) norm_head(biased.data() + qw + h * hd, hd, k_gain, qk_eps);
+    }
     for (int64_t h = 0; h < qw / hd; ++h, src += hd) {
       float *o = q + r * qw + h * hd;
       for (int64_t i = 0; i < half; ++i) {
@@ -117,11 +132,13 @@ int rope(void **params, int64_t **shapes) {
 // instead of rope, split and two scatters (the op is marked as writing memory, so MindSpore orders
 // the cache's later reads after it). Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables
 // [max_position, hd], positions [n], slots [n] int32, k_cache/v_cache [S, kv, hd] (float32, uint16
-// bfloat16 bits or float16) or [S, kv, hd + 4] (int8 and a scale per head; written in place).
+// bfloat16 bits or float16) or [S, kv, hd + 4] (int8 and a scale per head; written in place), the
+// layer's prologue [(h + 2 kv) * hd + 2 hd + 1]: the Q|K|V bias (zeros where the family has none), the
+// q and k heads' RMSNorm gains and that norm's eps (0: no q/k norm), applied before rope.
 // Output: q [n, h * hd] float32.
 extern "C" int RopeCache(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                          void *extra) {
-  if (nparam != 8 || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") ||
+  if (nparam != 9 || !f32(dtypes[7]) || !f32(dtypes[0]) || std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") ||
       std::strcmp(dtypes[5], dtypes[6]))
     return 1;
   if (f32(dtypes[5])) return rope<float>(params, shapes);
@@ -150,23 +167,25 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
 // RopeCache then PagedAttention as one op: the decoder layer's attention from its Q|K|V projection
 // (one dispatch instead of two, ~20 us each in MindSpore per layer). Marked as writing memory, as
 // RopeCache is. Inputs: qkv, cos, sin, positions, slots, k_cache, v_cache (as RopeCache), context
-// slots [R, C] and token rows [n] int32 (as PagedAttention). Output: attention [n, h * hd] float32.
+// slots [R, C] and token rows [n] int32 (as PagedAttention), the prologue (as RopeCache). Output:
+// attention [n, h * hd] float32.
 extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
-  if (nparam != 10) return 1;
-  const int64_t n = shapes[0][0], qw = shapes[9][1];
+  if (nparam != 11) return 1;
+  const int64_t n = shapes[0][0], qw = shapes[10][1];
   thread_local std::vector<float> q;
   q.resize(static_cast<size_t>(n * qw));
   int64_t qshape[2] = {n, qw};
-  void *rp[8] = {params[0], params[1], params[2], params[3], params[4], params[5], params[6], q.data()};
-  int rd[8] = {ndims[0], ndims[1], ndims[2], ndims[3], ndims[4], ndims[5], ndims[6], 2};
-  int64_t *rs[8] = {shapes[0], shapes[1], shapes[2], shapes[3], shapes[4], shapes[5], shapes[6], qshape};
-  const char *rt[8] = {dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[4], dtypes[5], dtypes[6], "float32"};
-  if (int rc = RopeCache(8, rp, rd, rs, rt, stream, extra)) return rc;
-  void *ap[7] = {q.data(), params[5], params[6], params[7], params[8], params[3], params[9]};
-  int ad[7] = {2, ndims[5], ndims[6], ndims[7], ndims[8], ndims[3], ndims[9]};
-  int64_t *as[7] = {qshape, shapes[5], shapes[6], shapes[7], shapes[8], shapes[3], shapes[9]};
-  const char *at[7] = {"float32", dtypes[5], dtypes[6], dtypes[7], dtypes[8], dtypes[3], dtypes[9]};
+  void *rp[9] = {params[0], params[1], params[2], params[3], params[4], params[5], params[6], params[9], q.data()};
+  int rd[9] = {ndims[0], ndims[1], ndims[2], ndims[3], ndims[4], ndims[5], ndims[6], ndims[9], 2};
+  int64_t *rs[9] = {shapes[0], shapes[1], shapes[2], shapes[3], shapes[4], shapes[5], shapes[6], shapes[9], qshape};
+  const char *rt[9] = {dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[4], dtypes[5], dtypes[6], dtypes[9],
+                       "float32"};
+  if (int rc = RopeCache(9, rp, rd, rs, rt, stream, extra)) return rc;
+  void *ap[7] = {q.data(), params[5], params[6], params[7], params[8], params[3], params[10]};
+  int ad[7] = {2, ndims[5], ndims[6], ndims[7], ndims[8], ndims[3], ndims[10]};
+  int64_t *as[7] = {qshape, shapes[5], shapes[6], shapes[7], shapes[8], shapes[3], shapes[10]};
+  const char *at[7] = {"float32", dtypes[5], dtypes[6], dtypes[7], dtypes[8], dtypes[3], dtypes[10]};
   return PagedAttention(7, ap, ad, as, at, stream, extra);
 }
 

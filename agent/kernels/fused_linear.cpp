@@ -67,9 +67,9 @@ extern "C" int LinearInt8(int nparam, void **params, int *ndims, int64_t **shape
 namespace {
 
 using Op = int(int, void **, int *, int64_t **, const char **, void *, void *);
-constexpr int ATTN_INPUTS = 9;  // RopeAttention's inputs: qkv, cos, sin, positions, slots, caches, context
+constexpr int ATTN_INPUTS = 10;  // RopeAttention's: qkv, cos, sin, positions, slots, caches, context, prologue
 
-// RopeAttention's 9 inputs, then `project`'s weight inputs, then the output [n, N]: the attention
+// RopeAttention's 10 inputs, then `project`'s weight inputs, then the output [n, N]: the attention
 // [n, h * hd] (h * hd = the Q|K|V width less K and V's) goes into a buffer and `project` reads it.
 int attention_then(Op *project, int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                    void *stream, void *extra) {
@@ -102,14 +102,14 @@ int attention_then(Op *project, int nparam, void **params, int *ndims, int64_t *
 }  // namespace
 
 // The decoder layer's attention (fused.cpp's RopeAttention: rope, the KV cache write, paged
-// attention) and its output projection as one op: 4 ops a layer (decoder_layer.cpp chains them). Marked as writing memory (the
-// caches), as RopeAttention is. Inputs: RopeAttention's 9, then w (float blocks). Output: [n, N].
+// attention) and its output projection as one op: 4 ops a layer (decoder_stack.cpp chains them). Marked as writing memory (the
+// caches), as RopeAttention is. Inputs: RopeAttention's 10, then w (float blocks). Output: [n, N].
 extern "C" int RopeAttentionLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                    void *stream, void *extra) {
   return nparam == ATTN_INPUTS + 2 ? attention_then(LinearBlocks, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
 }
 
-// The same with an int8 output projection. Inputs: RopeAttention's 9, then qw, sw, g. Output: [n, N].
+// The same with an int8 output projection. Inputs: RopeAttention's 10, then qw, sw, g. Output: [n, N].
 extern "C" int RopeAttentionLinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                        void *stream, void *extra) {
   return nparam == ATTN_INPUTS + 4 ? attention_then(LinearInt8, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;

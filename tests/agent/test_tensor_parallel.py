@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,11 @@ json.dump({"seqs": seqs, "logits": logits, "kv": runner.model.kv_cache_bytes, "w
 """
 
 
+def _shape(folder: str) -> tuple[int, int]:
+    c = json.loads((Path(folder) / "config.json").read_text())
+    return c["hidden_size"], c["vocab_size"]
+
+
 def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", native: bool = True) -> list[dict]:
     """Every rank of a `size`-way group as its own process (one rank alone for size 1); without the
     native kernels, with mindspore.communication's scheduler as one more process."""
@@ -91,7 +97,7 @@ def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", nati
     elif size > 1:
         from agent.tensor_parallel import slot_floats
 
-        hidden, vocab = (64, 272) if model == "tiny" else (576, 49152)
+        hidden, vocab = {"tiny": (64, 272), "smollm2": (576, 49152)}.get(model) or _shape(model)
         create_segment(segment, size, slot_floats(hidden, vocab, 512, 16, size))
     try:
         procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
@@ -156,3 +162,15 @@ def test_plain_mindspore_ranks_use_mindspore_communication(one_rank, tiny_weight
     for prompt, seq, got in zip(PROMPTS, ranks[0]["seqs"], ranks[0]["logits"]):
         want = reference_logits(cfg, tiny_weights, seq[:-1])[len(prompt) - 1:]
         assert np.abs(np.array(got) - want).max() <= TP_TOL
+
+
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
+def test_two_ranks_match_one_rank_for_each_family(folder, tmp_path):
+    """Q|K|V biases split with their columns, q/k norms whole on every rank (transformers' fixtures,
+    tests/agent/test_families.py)."""
+    model = str(ROOT / "tests" / "fixtures" / "families" / folder)
+    one = run_group(1, tmp_path, steps=6, model=model)[0]
+    two = run_group(2, tmp_path, steps=6, model=model)
+    assert two[0]["seqs"] == two[1]["seqs"] == one["seqs"]
+    want = np.array(one["logits"])
+    assert np.abs(np.array(two[0]["logits"]) - want).max() <= TP_TOL * np.abs(want).max()

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from agent.layers import bf16_bits
-from agent.weights import _unpermute, load_model, read_safetensors
+from agent.gguf_weights import _unpermute
+from agent.weights import load_model, read_safetensors
 from common.model_files import ModelFiles
 from tests.conftest import TINY
 from tests.helpers import ROOT, save_mindformers

@@ -1,0 +1,125 @@
+"""The model families the agent serves, as small descriptions, and the reading of a Hugging Face
+config.json in either layout transformers writes (4.x: top-level `rope_theta` / `rope_scaling`;
+5.x: `rope_parameters`, `layer_types`). Whatever would change the math and is not implemented is
+refused at load by name, in one line; so is a tensor in the file that nothing reads."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from agent.model import LlamaConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family adds to the Llama decoder (RMSNorm, SwiGLU, rotate-half rope, GQA)."""
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
+
+
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm=True)}
+ROPE_TYPES = ("default", "linear", "llama3")
+# Fields whose non-default value changes the math in a way no family here implements.
+_REFUSED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "attn_logit_softcapping": None,
+            "final_logit_softcapping": None, "partial_rotary_factor": 1.0, "quantization_config": None}
+# Buffers some checkpoints carry that are derived from the config.
+_DERIVED = ("rotary_emb.inv_freq",)
+
+
+class UnsupportedModel(ValueError):
+    """A model, config value or tensor this agent would serve wrong: refused by name."""
+
+
+def family_fields(kind: str) -> dict[str, Any]:
+    """The config fields (LlamaConfig's) that say what family `kind` adds to the Llama layer."""
+    return dict(family=kind, **asdict(FAMILIES[kind]))
+
+
+def hf_config(c: dict[str, Any]) -> LlamaConfig:
+    """Our config from a transformers config.json, either layout; refuses what it cannot serve."""
+    kind = c.get("model_type", "llama")
+    if kind not in FAMILIES:
+        raise UnsupportedModel(f"model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
+    for key, default in _REFUSED.items():
+        if c.get(key) is not None and c[key] != default:
+            raise UnsupportedModel(f"{kind}: {key}={c[key]!r} is not supported (only {default!r})")
+    theta, scaling = _rope(c)
+    eos = c.get("eos_token_id", 2)
+    return LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], head_dim=c.get("head_dim") or 0,
+        rms_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=c.get("tie_word_embeddings", False), max_position=c.get("max_position_embeddings", 4096),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=list(eos) if isinstance(eos, list) else [eos],
+        sliding_window=_window(c), **family_fields(kind))
+
+
+def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
+    params = c.get("rope_parameters")
+    if params is not None and not isinstance(params.get("rope_theta", 0.0), (int, float)):
+        raise UnsupportedModel(f"rope_parameters per layer type ({', '.join(params)}) are not supported")
+    rope = dict(params or c.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModel(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+    return theta, (dict(rope, rope_type=kind) if kind != "default" else None)
+
+
+def _window(c: dict[str, Any]) -> int | None:
+    """The sliding window when any layer uses one (Mistral: every layer; Qwen2/3: `use_sliding_window`
+    or 5.x `layer_types`), else None."""
+    types = c.get("layer_types") or []
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise UnsupportedModel(f"layer_types {sorted(set(types))} are not supported")
+    sliding = "sliding_attention" in types or (c.get("model_type") == "mistral" and not types) \
+        or c.get("use_sliding_window", False)
+    return c.get("sliding_window") if sliding else None
+
+
+def check_context(cfg: LlamaConfig) -> None:
+    """Sliding-window attention is not implemented: a context that fits in the window is exact."""
+    if cfg.sliding_window is not None and cfg.max_position > cfg.sliding_window:
+        raise UnsupportedModel(
+            f"{cfg.family}: sliding_window {cfg.sliding_window} is shorter than the context {cfg.max_position}; "
+            f"sliding-window attention is not implemented: set max_model_len (seq_length) to at most "
+            f"{cfg.sliding_window}")
+
+
+def expected_tensors(cfg: LlamaConfig) -> tuple[set[str], set[str]]:
+    """(the tensors the model reads, those it may find and ignore: the tied LM head, derived buffers)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                                               "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        if cfg.qkv_bias:
+            names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
+        if cfg.qk_norm:
+            names |= {p + f"self_attn.{n}_norm.weight" for n in "qk"}
+    return names, optional
+
+
+def check_tensors(cfg: LlamaConfig, found: Iterable[str], where: str) -> None:
+    """Every tensor the model needs is in the file and every tensor in the file is read."""
+    need, optional = expected_tensors(cfg)
+    found = {n for n in found if not n.endswith(_DERIVED)}
+    missing, unread = sorted(need - found), sorted(found - need - optional)
+    if missing:
+        raise UnsupportedModel(f"{where}: {cfg.family} needs tensors the file lacks: {_few(missing)}")
+    if unread:
+        raise UnsupportedModel(f"{where}: tensors no {cfg.family} layer reads (refused rather than ignored): "
+                               f"{_few(unread)}")
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -1,0 +1,119 @@
+"""GGUF files (llama.cpp) as Hugging Face-named tensors and our config: architectures `llama`
+(Llama, Mistral), `qwen2` and `qwen3`. Every tensor type the gguf package dequantises is read
+(F32, F16, BF16, Q8_0, the K-quants Q4_K, Q5_K, Q6_K...), to float32 at load; with ``int8``, Q8_0
+projection matrices are kept as their int8 rows (agent.quant.Int8Rows). Tensors and metadata that
+would change the math and are not implemented are refused by name (agent.families)."""
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+
+from agent.families import UnsupportedModel, check_tensors, family_fields
+from agent.lazy_weights import LazyWeights
+from agent.model import LlamaConfig
+from agent.quant import from_q8_0
+from common.model_files import ModelFiles
+
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF architecture -> our family. llama.cpp permutes Llama's Q/K rows for its interleaved rope at
+# convert time (undone here); Qwen's it leaves in the rotate-half order.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ROPE_SCALING = ("none", "linear")
+
+
+def _unpermute(rows: int, n_heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's convert-time Q/K row permutation (interleaved -> rotate-half rope)."""
+    return np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(rows)
+
+
+def _tensor(t: Any, int8: bool) -> Any:
+    """A GGUF tensor as float32 [rows, cols] (numpy order), or Int8Rows for a Q8_0 matrix when int8."""
+    import gguf
+
+    shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
+    if int8 and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(shape) == 2:
+        blocks = np.asarray(t.data, np.uint8).reshape(shape[0], -1, 34)  # per 32 values: f16 scale, 32 x int8
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
+        return from_q8_0(q, d)
+    # a copy even for F32 (a view would map the file pages back in after _drop_pages)
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+
+
+def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, LazyWeights]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(files.path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    eos = reader.fields["tokenizer.ggml.eos_token_id"].contents()
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    reader.fields.clear()  # the tokenizer's ~100k parsed entries (~150 MB for SmolLM2's); read elsewhere
+    by_name = {t.name: t for t in reader.tensors}
+    factors = by_name.pop("rope_freqs.weight", None)  # Llama 3's rope scaling, as llama.cpp writes it
+    cfg = _config(meta, "output.weight" in by_name, n_vocab, bos.contents() if bos else None, int(eos),
+                  None if factors is None else tuple(float(f) for f in _tensor(factors, False).reshape(-1)))
+    unpermute = cfg.family == "llama"
+    weights = LazyWeights()
+    for name, t in by_name.items():
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in _LAYER:
+            rows = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(parts[2]) if unpermute else None
+            rows = rows if parts[3] == "weight" else None
+            ours = f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+        elif parts[0] in _TOP and len(parts) == 2:
+            rows, ours = None, f"{_TOP[parts[0]]}.{parts[1]}"
+        else:
+            ours, rows = f"(gguf) {name}", None  # reported by check_tensors as unread
+        weights.add(ours, lambda t=t, rows=rows: _unpermuted(reader, t, int8, rows))
+    check_tensors(cfg, weights, files.path.name)
+    return cfg, weights
+
+
+def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, eos: int,
+            factors: tuple[float, ...] | None) -> LlamaConfig:
+    arch = meta["general.architecture"]
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    scaling = a("rope.scaling.type", "none")
+    if scaling not in ROPE_SCALING:
+        raise UnsupportedModel(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported "
+                               f"(supported: {', '.join(ROPE_SCALING)})")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if a(key):
+            raise UnsupportedModel(f"GGUF {arch}.{key} is not supported")
+    heads = a("attention.head_count")
+    return LlamaConfig(
+        vocab_size=int(a("vocab_size") or n_vocab), hidden_size=a("embedding_length"),
+        intermediate_size=a("feed_forward_length"), num_layers=a("block_count"), num_heads=heads,
+        num_kv_heads=a("attention.head_count_kv", heads), head_dim=a("attention.key_length", 0),
+        rms_eps=a("attention.layer_norm_rms_epsilon"), rope_theta=a("rope.freq_base", 10000.0),
+        rope_scaling={"rope_type": "linear", "factor": a("rope.scaling.factor")} if scaling == "linear" else None,
+        rope_freq_factors=factors, tie_word_embeddings=not untied, max_position=a("context_length", 4096),
+        bos_token_id=bos, eos_token_ids=[eos], sliding_window=a("attention.sliding_window"),
+        **family_fields(ARCHITECTURES[arch]))
+
+
+def _unpermuted(reader: Any, t: Any, int8: bool, heads: int | None) -> Any:
+    arr = _tensor(t, int8)
+    _drop_pages(reader, t)
+    return arr if heads is None else arr[_unpermute(arr.shape[0], heads)]
+
+
+def _drop_pages(reader: Any, t: Any) -> None:
+    """Unmap a tensor's file pages from this process once read: mapped file pages count in its RSS
+    (they stay in the page cache), and a whole model's would make loading peak at twice its size."""
+    start = t.data_offset - t.data_offset % mmap.PAGESIZE
+    try:
+        reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+    except (AttributeError, OSError, ValueError):  # another numpy or OS: the pages just stay mapped
+        pass

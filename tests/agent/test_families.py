@@ -1,0 +1,201 @@
+"""Every served family against Hugging Face transformers (tests/fixtures/families, written by
+tools/make_goldens.py from transformers' float32 forward): each folder loads through our loader as
+transformers saved it (4.x and 5.x config layouts) and, teacher-forced along transformers' greedy
+continuation, gives the same logits at every position and so the same greedy tokens.
+
+Tolerances, relative to the largest logit of the sequence: float32 1e-4; bfloat16 weights 3e-2;
+float16 weights 5e-3; int8 (W8A8, per-group scales) 6e-2 (measured on Zen 4: 2e-6, 1.5e-2, 1.2e-3, 3.9e-2). Below float32, the greedy token must still
+agree wherever transformers' top two are further apart than the tolerance."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.weights import load_model
+from common.model_files import ModelFiles
+from server.sampling_params import SamplingParams
+from shm.arena import Arena, ArenaSpec
+from shm.step import RowInput
+from tests.helpers import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "families"
+FOLDERS = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").exists())
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3, "int8": 6e-2}
+BLOCK, MAX_LEN = 16, 64
+
+
+def golden(folder: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    z = np.load(FIXTURES / folder / "golden.npz")
+    return [(z[f"ids{i}"], z[f"logits{i}"]) for i in range(len(z.files) // 2)]
+
+
+def runner_for(folder: str, dtype: str = "float32", native: bool = True, files: ModelFiles | None = None) -> ModelRunner:
+    """A runner on the fixture's folder, or on `files` (the same weights in another format)."""
+    setup_mindspore()
+    files = files or ModelFiles("hf", FIXTURES / folder)
+    cfg, weights = load_model(files, max_position=MAX_LEN, int8=dtype == "int8")
+    rc = RunnerConfig(num_blocks=1 + 4 * (MAX_LEN // BLOCK), block_size=BLOCK, max_model_len=MAX_LEN,
+                      token_buckets=[4, 32], max_running=4, native_kernels=native, model_dtype=dtype)
+    runner = ModelRunner(cfg, weights, rc)
+    runner.warmup()
+    return runner
+
+
+def forced_logits(runner: ModelRunner, seqs: list[np.ndarray], prompt_lens: list[int]) -> list[np.ndarray]:
+    """Each sequence's logits at its last prompt token and every later one: the prompts in one step,
+    then one token per sequence a step, fed from `seqs` (teacher forcing)."""
+    arena = Arena.private(ArenaSpec(256, 8, MAX_LEN // BLOCK + 1))
+    tables = [list(range(1 + i * (MAX_LEN // BLOCK), 1 + (i + 1) * (MAX_LEN // BLOCK))) for i in range(len(seqs))]
+    got: list[list[np.ndarray]] = [[] for _ in seqs]
+    fed = [0] * len(seqs)
+    upto = list(prompt_lens)
+    while any(u <= len(s) for u, s in zip(upto, seqs)):
+        live = [i for i, s in enumerate(seqs) if upto[i] <= len(s)]
+        rows = [RowInput(i, np.asarray(seqs[i][fed[i]:upto[i]], np.int32), fed[i], tables[i], True,
+                         SamplingParams(), prompt_lens[i], upto[i] - prompt_lens[i]) for i in live]
+        logits, _ = runner.forward(arena.step(arena.write_step(rows, BLOCK)).inputs)
+        for k, i in enumerate(live):
+            got[i].append(logits[k].copy())
+            fed[i], upto[i] = upto[i], upto[i] + 1
+    return [np.stack(g) for g in got]
+
+
+def compare(runner: ModelRunner, folder: str, dtype: str) -> tuple[float, float]:
+    """(the largest logit error over the largest logit, the share of positions whose greedy token
+    agrees); asserts both against the dtype's bounds."""
+    cases = golden(folder)
+    prompt_lens = [len(ids) - 32 for ids, _ in cases]
+    got = forced_logits(runner, [ids for ids, _ in cases], prompt_lens)
+    tol, worst, agree, total = TOLERANCE[dtype], 0.0, 0, 0
+    for (ids, ref), n, ours in zip(cases, prompt_lens, got):
+        want = ref[n - 1:]
+        scale = np.abs(want).max()
+        worst = max(worst, float(np.abs(ours - want).max() / scale))
+        top2 = np.sort(want, -1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * tol * scale
+        same = ours.argmax(-1) == want.argmax(-1)
+        assert same[clear].all(), f"{folder} {dtype}: greedy token differs at {np.flatnonzero(~same & clear)}"
+        agree, total = agree + int(same.sum()), total + len(same)
+    assert worst <= tol, f"{folder} {dtype}: logit error {worst:.2e} of the largest logit > {tol}"
+    return worst, agree / total
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_float32_matches_transformers(folder):
+    compare(runner_for(folder), folder, "float32")
+
+
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
+def test_plain_mindspore_path_matches_transformers(folder):
+    compare(runner_for(folder, native=False), folder, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
+def test_reduced_precision_within_its_tolerance(folder, dtype):
+    compare(runner_for(folder, dtype), folder, dtype)
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer_gguf(tmp_path_factory) -> Path:
+    """A GGUF holding only a 272-token vocabulary (the fixtures'), for write_gguf to copy: SmolLM2's
+    49k tokens would take seconds to write and read back."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<{i}>" for i in range(272)])
+    writer.add_token_types([1] * 272)
+    writer.add_token_merges(["<0> <1>"])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("folder, gguf_dtype, dtype", [
+    ("llama3-tf5", "f32", "float32"), ("llama-linear-tf5", "f32", "float32"), ("qwen2-tf5", "f32", "float32"),
+    ("qwen3-tf5", "f32", "float32"), ("qwen2-tf5", "q8_0", "int8"), ("qwen3-tf5", "q8_0", "int8")])
+def test_gguf_of_the_same_weights_matches_transformers(folder, gguf_dtype, dtype, tmp_path, byte_tokenizer_gguf):
+    """The fixture written as GGUF the way llama.cpp's converter names and lays out tensors (the
+    gguf package's name map; Llama's Q/K rows permuted, Llama 3's scaling as `rope_freqs`, linear
+    scaling as metadata), read back with its Q8_0 rows kept as int8 where the model runs int8."""
+    from tools.export_model import write_gguf
+
+    cfg, weights = load_model(ModelFiles("hf", FIXTURES / folder))
+    path = tmp_path / f"{folder}-{gguf_dtype}.gguf"
+    write_gguf(path, cfg, weights, byte_tokenizer_gguf, gguf_dtype)
+    compare(runner_for(folder, dtype, files=ModelFiles("gguf", path)), folder, dtype)
+
+
+def _edited(tmp_path: Path, folder: str, extra_tensors: dict | None = None, **config) -> ModelFiles:
+    """A copy of a fixture with config.json keys replaced (None: removed) and tensors added."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    out = tmp_path / folder
+    shutil.copytree(FIXTURES / folder, out)
+    c = json.loads((out / "config.json").read_text())
+    c.update(config)
+    (out / "config.json").write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+    if extra_tensors:
+        save_file({**load_file(out / "model.safetensors"), **extra_tensors}, str(out / "model.safetensors"))
+    return ModelFiles("hf", out)
+
+
+@pytest.mark.parametrize("folder, edit, message", [
+    ("llama-tf5", dict(model_type="gemma2"), "model_type 'gemma2' is not supported"),
+    ("llama-tf5", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     "rope type 'yarn' is not supported"),
+    ("llama3-tf4", dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"),
+    ("llama-tf5", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0 is not supported"),
+    ("llama-tf5", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("llama-tf5", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    ("qwen3-tf5", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    ("qwen2-tf5", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context 64"),
+])
+def test_what_would_be_served_wrong_is_refused_by_name(tmp_path, folder, edit, message):
+    from agent.families import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match=message):
+        load_model(_edited(tmp_path, folder, **edit), max_position=MAX_LEN)
+
+
+def test_a_tensor_nothing_reads_is_refused_by_name(tmp_path):
+    from agent.families import UnsupportedModel
+
+    extra = {"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}
+    with pytest.raises(UnsupportedModel, match="tensors no qwen2 layer reads .*o_proj.bias"):
+        load_model(_edited(tmp_path, "qwen2-tf5", extra))
+    # a Qwen2 folder labelled llama: its biases are refused, not dropped
+    with pytest.raises(UnsupportedModel, match="no llama layer reads .*q_proj.bias"):
+        load_model(_edited(tmp_path / "as-llama", "qwen2-tf5", model_type="llama"))
+    with pytest.raises(UnsupportedModel, match="needs tensors the file lacks: model.layers.0.self_attn.k_norm"):
+        load_model(_edited(tmp_path / "qwen2-as-3", "llama-tf5", model_type="qwen3"))
+
+
+def test_an_unsupported_gguf_architecture_is_refused_by_name(tmp_path, byte_tokenizer_gguf):
+    import gguf
+
+    from agent.families import UnsupportedModel
+
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    src = gguf.GGUFReader(str(byte_tokenizer_gguf)).fields
+    writer.add_token_list(src["tokenizer.ggml.tokens"].contents())
+    writer.add_eos_token_id(257)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match="GGUF architecture 'phi3' is not supported"):
+        load_model(ModelFiles("gguf", path))

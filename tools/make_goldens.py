@@ -1,0 +1,119 @@
+"""Reference fixtures from Hugging Face transformers: for a tiny seeded random model of each family,
+the folder transformers saves (config.json in its own layout, model.safetensors) and, from
+transformers' float32 forward, 4 prompts' greedy continuations and the logits at every position.
+tests/agent/test_families.py loads each folder through our loader and compares.
+
+Run by hand in a separate venv (CI never installs torch):
+
+    python3 -m venv /tmp/ref && /tmp/ref/bin/pip install torch==2.13.0 transformers safetensors
+    /tmp/ref/bin/python tools/make_goldens.py --out tests/fixtures/families
+
+transformers 5.x writes `rope_parameters`; 4.x (`pip install 'transformers<5'`) writes top-level
+`rope_theta` / `rope_scaling`: each run names its folders by the layout it wrote (`-tf5`, `-tf4`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [250, 1, 2], list(range(30, 50)), [9]]
+NEW_TOKENS = 32
+SHAPE = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=256,
+             eos_token_id=257)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+# name: (transformers config class, its arguments beyond SHAPE, rope parameters)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}, dict(rope_type="default", rope_theta=10000.0)),
+    "llama3": ("LlamaConfig", dict(tie_word_embeddings=True), dict(LLAMA3, rope_theta=500000.0)),
+    "llama-linear": ("LlamaConfig", {}, dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
+    "mistral": ("MistralConfig", dict(sliding_window=512), dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32), dict(rope_type="default", rope_theta=1000000.0)),
+}
+
+
+def config(name: str, major: int):
+    import transformers
+
+    cls, extra, rope = FAMILIES[name]
+    kwargs = dict(SHAPE, **extra)
+    if major >= 5:
+        kwargs["rope_parameters"] = rope
+    else:  # 4.x: theta at the top, scaling (if any) apart
+        rope = dict(rope)
+        kwargs["rope_theta"] = rope.pop("rope_theta")
+        if rope["rope_type"] != "default":
+            kwargs["rope_scaling"] = rope
+    return getattr(transformers, cls)(**kwargs)
+
+
+def randomise(model, seed: int) -> None:
+    """Seeded values with some spread everywhere: transformers' init leaves biases at 0 and norm
+    gains at 1, which would hide a dropped bias or gain, and its 0.02 std makes near-flat logits.
+    The layers' outputs (o, down) are 3x larger than the embeddings: where the embedding dominates
+    the residual, a tied head just repeats the last token, whatever the layers compute."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() == 2:
+                gain = 3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:  # a norm's gain
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        model.model.embed_tokens.weight.mul_(8.0)  # embeddings ~N(0, 1), as trained ones are, not 1/8
+
+
+def golden(model) -> dict[str, np.ndarray]:
+    """Greedy continuations (float32, one full forward per token) and the logits at every position."""
+    import torch
+
+    out = {}
+    for i, prompt in enumerate(PROMPTS):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                logits = model(torch.tensor([ids])).logits[0]
+                ids.append(int(logits[-1].argmax()))
+            logits = model(torch.tensor([ids])).logits[0]
+        out[f"ids{i}"] = np.asarray(ids, np.int32)
+        out[f"logits{i}"] = logits.numpy().astype(np.float32)
+    return out
+
+
+def main() -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("tests/fixtures/families"))
+    ap.add_argument("--only", default="", help="comma-separated family names")
+    args = ap.parse_args()
+    major = int(transformers.__version__.split(".")[0])
+    torch.manual_seed(0)
+    for seed, name in enumerate(FAMILIES):
+        if args.only and name not in args.only.split(","):
+            continue
+        model = AutoModelForCausalLM.from_config(config(name, major), torch_dtype=torch.float32).eval()
+        randomise(model, seed)
+        folder = args.out / f"{name}-tf{major}"
+        model.save_pretrained(folder, safe_serialization=True)
+        for extra in ("generation_config.json",):
+            (folder / extra).unlink(missing_ok=True)
+        np.savez_compressed(folder / "golden.npz", **golden(model))
+        (folder / "source.json").write_text(json.dumps({"transformers": transformers.__version__,
+                                                        "torch": torch.__version__, "seed": seed}) + "\n")
+        print(f"{folder}: {sum(p.numel() for p in model.parameters())} parameters")
+
+
+if __name__ == "__main__":
+    main()
