@@ -1,17 +1,36 @@
-"""Paged KV block manager: ref-counted blocks, prefix caching of full blocks (hash chain), lazy LRU
-eviction. Block 0 is reserved as the agents' write target for padding."""
+"""Paged KV block manager: ref-counted blocks, prefix caching of full blocks (a chain of keys), lazy
+LRU eviction. Block 0 is reserved as the agents' write target for padding.
+
+A full block's key is SHA-256 of its parent's key and its token ids, the chain rooted in a salt
+naming what else changes the KV (model, dtypes): an accidental or crafted collision of Python's
+`hash()` would serve KV computed for other text (vLLM moved to SHA-256 for this). A hit is also
+checked against the block's own tokens and its parent's key, kept beside it, so even a colliding key
+never reuses a block whose prefix differs (SGLang's radix tree compares tokens the same way)."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable
+
+Key = bytes
+ROOT = b""
+
+
+def sha256_key(parent: Key, tokens: tuple[int, ...]) -> Key:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()  # 64-bit ids: no id is cut
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, salt: str = "",
+                 key: Callable[[Key, tuple[int, ...]], Key] = sha256_key):
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.key, self.root = key, hashlib.sha256(salt.encode()).digest()
         self.free: list[int] = list(range(num_blocks - 1, 0, -1))
         self.refs = [0] * num_blocks
-        self.hash_of: dict[int, int] = {}  # block -> hash of the full block's token chain
-        self.by_hash: dict[int, int] = {}  # hash -> block
+        self.hash_of: dict[int, Key] = {}  # block -> key of the full block's token chain
+        self.by_hash: dict[Key, int] = {}  # key -> block
+        self.content: dict[int, tuple[Key, tuple[int, ...]]] = {}  # block -> (its parent's key, its tokens)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
 
     @property
@@ -30,16 +49,20 @@ class BlockManager:
         else:
             block, _ = self.evictable.popitem(last=False)
             del self.by_hash[self.hash_of.pop(block)]
+            del self.content[block]
         self.refs[block] = 1
         return block
 
-    def chain_hashes(self, tokens: list[int], known: list[int] | None = None) -> list[int]:
-        """Hash chain of the full blocks of `tokens`. `known` (a sequence's cache, a prefix of the
+    def _block(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+
+    def chain_hashes(self, tokens: list[int], known: list[Key] | None = None) -> list[Key]:
+        """Key chain of the full blocks of `tokens`. `known` (a sequence's cache, a prefix of the
         answer) is extended in place, so a growing sequence hashes each block once."""
         out = known if known is not None else []
-        parent = out[-1] if out else 0
+        parent = out[-1] if out else self.root
         for i in range(len(out), len(tokens) // self.block_size):
-            parent = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            parent = self.key(parent, self._block(tokens, i))
             out.append(parent)
         return out
 
@@ -49,10 +72,10 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         hashes = self.chain_hashes(tokens[:len(tokens) - 1])
-        table = []
-        for h in hashes:
+        table: list[int] = []
+        for i, h in enumerate(hashes):
             block = self.by_hash.get(h)
-            if block is None:
+            if block is None or self.content[block] != (hashes[i - 1] if i else self.root, self._block(tokens, i)):
                 break
             if self.refs[block] == 0:
                 self.evictable.pop(block, None)
@@ -68,7 +91,7 @@ class BlockManager:
         table.extend(self._take() for _ in range(need))
         return True
 
-    def register_full(self, table: list[int], tokens: list[int], computed: int, hashes: list[int]) -> None:
+    def register_full(self, table: list[int], tokens: list[int], computed: int, hashes: list[Key]) -> None:
         """Publish the computed full blocks of a sequence for prefix reuse; `hashes` is the
         sequence's chain-hash cache (see chain_hashes)."""
         if not self.prefix_caching:
@@ -76,9 +99,10 @@ class BlockManager:
         full = computed // self.block_size
         if len(hashes) < full:
             self.chain_hashes(tokens[:full * self.block_size], hashes)
-        for block, h in zip(table[:full], hashes):
+        for i, (block, h) in enumerate(zip(table[:full], hashes)):
             if block not in self.hash_of and h not in self.by_hash:
                 self.hash_of[block], self.by_hash[h] = h, block
+                self.content[block] = (hashes[i - 1] if i else self.root, self._block(tokens, i))
 
     def release(self, table: list[int]) -> None:
         for block in table:

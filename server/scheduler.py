@@ -42,7 +42,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose K/V are in the cache
     table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks, grown as computed
+    block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks, grown as computed
     preemptions: int = 0
     pending: int = 0  # sampled in steps in flight, not yet back
     agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
@@ -116,7 +116,9 @@ class Scheduler:
         # a prompt to a bucket only splits it, and its tail waits for the next, often larger, step
         # (a 289-token prompt after 3 decodes: 253 + 36 tokens, first token 1.0 s instead of ~0.4).
         self.pads_cost = pads_cost
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # the prefix keys' root: what besides the tokens changes a block's KV
+        salt = f"{cfg.model_name}|{cfg.model_path}|{cfg.model_cfg_path}|{cfg.model_dtype}|{cfg.kv_cache_dtype}"
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, salt)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.max_running = cfg.max_running
