@@ -90,12 +90,13 @@ def connect_replica(cfg: ServingConfig, index: int, tag: str, timeout_s: float =
     return ranks[0] if len(ranks) == 1 else GroupClient(ranks)
 
 
-def connect_agents(cfg: ServingConfig, reset: bool = False) -> list[AgentClient | GroupClient]:
-    """One client per replica (a GroupClient for tensor-parallel ranks)."""
+def connect_agents(cfg: ServingConfig, reset: bool = False, wait_s: float = 0.0) -> list[AgentClient | GroupClient]:
+    """One client per replica (a GroupClient for tensor-parallel ranks); `wait_s`: how long a local
+    agent may take to appear."""
     clients: list[AgentClient | GroupClient] = []
     try:
         for i in range(len(cfg.groups)):
-            clients.append(connect_replica(cfg, i, f"agent{i}", reset=reset))
+            clients.append(connect_replica(cfg, i, f"agent{i}", reset=reset, wait_s=wait_s))
     except BaseException:
         for c in clients:
             c.close(detach=True)
@@ -135,15 +136,16 @@ START_ERRORS = (AgentStartError, AttachError, CurveKeyError, TimeoutError, OSErr
 
 
 def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any], attach: bool = False,
-                 reset: bool = False) -> tuple[Engine, TextTokenizer, list]:
-    """Tokenizer, agents (started here unless `attach`), attachment, vocabulary check, and the engine
-    running: what the HTTP server and the offline API share. Raises one of START_ERRORS."""
+                 reset: bool = False, wait_s: float = 0.0) -> tuple[Engine, TextTokenizer, list]:
+    """Tokenizer, agents (started here unless `attach`; attached agents may take `wait_s` to appear),
+    attachment, vocabulary check, and the engine running: what the HTTP server and the offline API
+    share. Raises one of START_ERRORS."""
     procs: list = []
     try:
         tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
         if not attach:
             procs = start_agents(cfg, config_path, overrides)
-        clients = connect_agents(cfg, reset=reset)
+        clients = connect_agents(cfg, reset=reset, wait_s=wait_s)
         why = vocab_mismatch(cfg, tok.vocab_size, clients[0].info.vocab_size)
         if why:
             for c in clients:

@@ -166,8 +166,10 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
         for i, proc in enumerate(procs):
             ping(agent_address(cfg.agent_ports[i], dial_host(cfg.bind_host(i))), ready_timeout_s, proc, keys)
             log.info("agent %d ready (pid %d, port %d)", i, proc.pid, cfg.agent_ports[i])
-    except BaseException:
+    except BaseException as exc:
         stop_agents(procs)
+        if isinstance(exc, CurveKeyError):
+            raise AgentStartError(str(exc)) from None
         raise
     return procs
 

@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
     ap.add_argument("--agents", metavar="HOST:PORT,...", help="the agents to attach to (implies --attach; "
                     "else from a LeaderWorkerSet's LWS_* variables, else serving_config.agent_ports)")
+    ap.add_argument("--wait-agents", type=float, default=0.0, metavar="S", help="with --attach: wait up to S "
+                    "seconds for local agents to appear (a pod's launch_agents starting beside the server)")
     ap.add_argument("--reset-agents", action="store_true",
                     help="with --attach: take over agents that another (stuck) server still holds (sends r)")
     ap.add_argument("--demo", action="store_true", help="send one chat request once ready and print the answer")
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     clean_stale_endpoints()
     try:
         http = bind_http(cfg)
-        engine, tok, procs = start_engine(cfg, args.config, overrides, args.attach, args.reset_agents)
+        engine, tok, procs = start_engine(cfg, args.config, overrides, args.attach, args.reset_agents,
+                                          args.wait_agents)
     except START_ERRORS as exc:
         return start_failed(str(exc), args.verbose)
     except Exception as exc:  # a bug or an unforeseen environment: still one line (--verbose: the traceback)

@@ -53,10 +53,11 @@ class KeyFolder:
         return zmq.auth.load_certificate(str(path))[0]
 
     def client(self, sock: zmq.Socket, as_agent: bool = False) -> None:
-        """A server's (or, `as_agent`, the agent's own launcher's) socket to an agent."""
+        """A server's (or, `as_agent`, the agent's own launcher's) socket to an agent. The launcher
+        needs only what its host's agents do (agent.key_secret holds the public key too)."""
         public, secret = self.pair("agent" if as_agent else "server")
         sock.curve_publickey, sock.curve_secretkey = public, secret
-        sock.curve_serverkey = self.public("agent")
+        sock.curve_serverkey = public if as_agent else self.public("agent")
 
     def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator:
         """The agent's socket: CURVE server, clients limited to authorized/ and its own key."""
