@@ -7,9 +7,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +67,30 @@ class ServerProcess:
         pids = [int(p) for p in out.split()]
         # multiprocessing's resource tracker is a child too; agents are the spawn_main children
         return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+    @contextmanager
+    def agents_paused(self) -> Iterator[None]:
+        """Every agent stopped (SIGSTOP) inside the block: the server admits and schedules, no step
+        ends, so a test reads a state (requests running, several at once) without racing the model.
+        Kept well inside step_timeout_s (120 s), after which a stuck agent is restarted."""
+        pids = self.agent_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
+    def stats_until(self, done: Callable[[dict], bool], timeout_s: float = 60) -> dict:
+        """/stats once `done(stats)` holds: waiting on the server's own state, `timeout_s` only
+        bounding a failure."""
+        deadline = time.monotonic() + timeout_s
+        while not done(info := httpx.get(f"{self.url}/stats", timeout=10).json()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/stats never got there: {info}")
+            time.sleep(0.05)
+        return info
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:

@@ -5,6 +5,7 @@ import json
 import re
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -250,12 +251,16 @@ def _server_idle(url: str, timeout_s: float = 20) -> dict:
 
 
 def test_client_disconnect_cancels_and_frees_blocks(server):
-    body = {"inputs": "cancel me", "parameters": {"max_new_tokens": 100, "ignore_eos": True}}
-    with httpx.stream("POST", f"{server.url}/generate_stream", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data:")
-        info = httpx.get(f"{server.url}/stats", timeout=10).json()
-        assert info["running"] == 1 and info["kv_usage"][0] > 0
+    """The client leaves while its request runs: the agent is paused first, so the request is
+    running (blocks held, its first step in flight) when the stream closes, however slow the machine."""
+    body = json.dumps({"inputs": "cancel me", "parameters": {"max_new_tokens": 100, "ignore_eos": True}}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with server.agents_paused():
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # headers come with the first token
+            sock.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            info = server.stats_until(lambda s: s["running"] == 1)
+            assert info["kv_usage"][0] > 0
     _server_idle(server.url)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'llm_serving_requests_finished_total{reason="cancelled"} 1.0' in metrics
@@ -364,8 +369,10 @@ def test_kv_exhaustion_preempts_and_every_request_completes(tmp_path, tiny_model
         out: dict[str, str] = {}
         threads = [threading.Thread(target=lambda p=p: out.__setitem__(
             p, original_generate(srv.url, p, new=24)["generated_text"])) for p in prompts]
-        for t in threads:
-            t.start()
+        with srv.agents_paused():  # all four admitted before a step ends: they run together, however slow the machine
+            for t in threads:
+                t.start()
+            srv.stats_until(lambda s: s["running"] + s["waiting"] == 4)
         for t in threads:
             t.join(180)
         assert out == single
