@@ -216,6 +216,8 @@ class ModelRunner:
         for seq in free:
             self.histories.pop(seq, None)
             self.last.pop(seq, None)
+            if self.dump is not None:
+                self.dump.forget(seq)
         x = v.inputs
         if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
             return 0.0
@@ -230,8 +232,8 @@ class ModelRunner:
         # alone took ~65 us of a one-row SmolLM2 int8 step, cache-cold after the weights went through.
         rows = slice(0, sampled.size) if sampled.size == x.sample.shape[0] else sampled
         writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
-        if sampled.size and self.dump is not None and writes:  # before penalties change the logits in place
-            self.dump.write(logits[rows], x.seq_ids[rows], v.sampling.output_len[rows])
+        if self.dump is not None and writes:  # before penalties change the logits in place
+            self._dump(x, tokens, starts, logits[rows], rows)
         if sampled.size:
             hist = [self._history(int(x.seq_ids[r])) for r in sampled]
             res = sample(logits[rows], lse[rows], v.sampling.take(rows), hist, self.rng)
@@ -258,6 +260,14 @@ class ModelRunner:
             unfed[rows] = last < 0
             tokens[starts[rows]] = np.maximum(last, 0)
         return tokens, unfed
+
+    def _dump(self, x: StepInputs, tokens: np.ndarray, starts: np.ndarray, logits: np.ndarray, rows: Any) -> None:
+        """The contest's precision files (agent.logits_dump): names from prompts' first chunks."""
+        for r in np.nonzero(x.positions[starts] == 0)[0]:
+            self.dump.started(int(x.seq_ids[r]), tokens[starts[r]:starts[r] + x.query_lens[r]].tolist())
+        last = (starts + x.query_lens - 1)[rows]
+        if logits.shape[0]:
+            self.dump.write(logits, x.seq_ids[rows], x.positions[last])
 
     def _track_histories(self, x: StepInputs, tokens: np.ndarray, cols: SamplingColumns, starts: np.ndarray) -> None:
         """Penalties need every token a sequence has fed; a chunk starting at position 0 restarts it."""

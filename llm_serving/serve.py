@@ -96,8 +96,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reset-agents", action="store_true",
                     help="with --attach: take over agents that another (stuck) server still holds (sends r)")
     ap.add_argument("--demo", action="store_true", help="send one chat request once ready and print the answer")
-    ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files: each sampled row's raw "
-                    "logits as .npy every --dump-every generated positions (tools/test_serving_performance.py)")
+    ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files: a sampled row's raw logits as "
+                    "{time}_{ids}_{position}.npy at every --dump-every-th absolute position (prefix caching off; "
+                    "tools/test_serving_performance.py)")
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
     ap.add_argument("--insecure", action="store_true", help="let agents we start listen on plain tcp beyond "
                     "loopback without CURVE keys (warned about at every start)")
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
                                                "overlap_steps", "device") if getattr(args, k) is not None}
+    if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)
+        overrides["enable_prefix_caching"] = False
     started = time.monotonic()
     try:
         cfg = configure(args, overrides)

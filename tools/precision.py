@@ -1,38 +1,50 @@
 """The contest's precision check, both layouts, for tools/test_serving_performance.py.
 
-- Raw logits (the contest's own): a server started with `--dump-logits DIR` writes each sampled
-  row's full-vocabulary float32 logits as `<time>_req<id>_pos<position>.npy` (agent/logits_dump.py);
-  `dump_raw` sends the prompts one at a time (batch size 1) so the files land in prompt order.
+- Raw logits (the contest's own): a server started with `--dump-logits DIR` writes sampled rows'
+  full-vocabulary float32 logits as the contest's agent did, `{time}_{ids}_{position}.npy` at
+  absolute positions (agent/logits_dump.py); `dump_raw` sends the prompts one at a time (batch
+  size 1), as the contest's procedure did.
 - Top logprobs over HTTP (any server): `dump_top` stores the top-5 logprobs every `every` positions.
-`compare` reads two folders of .npy files (the i-th file of one against the i-th of the other, in
-name order, i.e. the order written; positions must match) or two JSON dumps, with numpy.allclose
-(atol 5e-3) as the contest did, and prints a line per file and a summary line.
+`compare` reads two folders of .npy files or two JSON dumps, with numpy.allclose (atol 5e-3) as the
+contest did, and prints a line per file and a summary line. Files pair by request and position:
+`{time}_{ids}_{position}` (the contest's naming, its baseline folder included) or our earlier
+`{time}_req{id}_pos{position}`; the k-th file of a request key and position in time order (prompts
+whose first ids agree share a key) against the k-th of the other folder.
 """
 from __future__ import annotations
 
 import json
-import re
 import time
+from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 ATOL = 5e-3
-POSITION = re.compile(r"pos(\d+)\.npy$")
-ROW = re.compile(r"req(\d+)_pos(\d+)\.npy$")
+Pairing = tuple[str, int, int]  # (request key, position, occurrence)
 
 
-def dump_order(folder: Path) -> list[Path]:
-    """A dump's files by request (in the order of their sequence ids) and position. By name alone
-    (time first) two requests' files interleave as their steps happened to run, differently in each
-    run, and the pairs compared were of different positions on a loaded machine."""
-    files = sorted(folder.glob("*.npy"))
-    keys = {f: ROW.search(f.name) for f in files}
-    if not all(keys.values()):
-        return files
-    seqs = sorted({int(m[1]) for m in keys.values()})
-    return sorted(files, key=lambda f: (seqs.index(int(keys[f][1])), int(keys[f][2]), f.name))
+def dump_files(folder: Path) -> dict[Pairing, Path]:
+    """A dump's files in the order written (time), each under its pairing key. SystemExit naming a
+    file whose name is neither naming."""
+    parsed = []
+    for f in folder.glob("*.npy"):
+        parts = f.stem.split("_")
+        try:
+            stamp, key, pos = Decimal(parts[0]), parts[1], int(parts[2].removeprefix("pos"))
+        except (IndexError, ValueError, ArithmeticError):
+            raise SystemExit(f"{f.name}: not a precision file ({{time}}_{{ids}}_{{position}}.npy)") from None
+        if len(parts) != 3:
+            raise SystemExit(f"{f.name}: not a precision file ({{time}}_{{ids}}_{{position}}.npy)")
+        parsed.append((stamp, key, pos, f))
+    seen: Counter = Counter()
+    out: dict[Pairing, Path] = {}
+    for _, key, pos, f in sorted(parsed, key=lambda p: (p[0], p[3].name)):
+        out[(key, pos, seen[key, pos])] = f
+        seen[key, pos] += 1
+    return out
 
 
 def _greedy(base: str, prompt: str, new: int, logprobs: int = 0) -> dict:
@@ -72,21 +84,20 @@ def compare(a: Path, b: Path) -> bool:
 
 
 def _compare_raw(a: Path, b: Path) -> tuple[bool, float, list[str]]:
-    fa, fb = dump_order(a), dump_order(b)
-    if not fa or len(fa) != len(fb):
-        raise SystemExit(f"{a} has {len(fa)} .npy files, {b} has {len(fb)}: not the same run")
+    fa, fb = dump_files(a), dump_files(b)
+    if not fa or set(fa) != set(fb):
+        only = sorted(set(fa) ^ set(fb))[:3]
+        raise SystemExit(f"{a} has {len(fa)} .npy files, {b} has {len(fb)}; unpaired (request, position): {only}")
     ok, worst, lines, first = True, 0.0, [], None
-    for x, y in zip(fa, fb):
-        px, py = POSITION.search(x.name), POSITION.search(y.name)
-        if not px or not py or px[1] != py[1]:
-            raise SystemExit(f"{x.name} and {y.name} are not of the same position")
+    for pairing, x in fa.items():
+        y = fb[pairing]
         va, vb = np.load(x), np.load(y)
         diff = float(np.abs(va - vb).max()) if va.shape == vb.shape else float("inf")
         close = va.shape == vb.shape and bool(np.allclose(va, vb, atol=ATOL))
         worst = max(worst, diff)
         lines.append(f"{'ok  ' if close else 'FAIL'} {x.name} ~ {y.name}: max |difference| {diff:.2e}")
         if not close and first is None:
-            first = f"first difference: {x.name} (position {px[1]})"
+            first = f"first difference: {x.name} (position {pairing[1]})"
         ok &= close
     return ok, worst, lines + ([first] if first else [])
 

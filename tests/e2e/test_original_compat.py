@@ -4,6 +4,7 @@ Real server processes throughout."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -179,16 +180,17 @@ def test_precision_mode_passes_on_the_same_model_and_fails_on_a_perturbed_one(co
             assert r.returncode == 0, r.stderr
         finally:
             q.stop()
-    from tools.precision import dump_order
+    from tools.precision import dump_files
 
-    files = dump_order(tmp_path / "raw-a")
-    assert [f.name.rsplit("_pos", 1)[1] for f in files] == ["0.npy", "4.npy", "8.npy", "12.npy"] * 2
-    assert np.load(files[0]).shape == (272,) and np.load(files[0]).dtype == np.float32  # the whole vocabulary
+    files = dump_files(tmp_path / "raw-a")  # the contest's names: {time}_{ids as floats}_{absolute position}
+    assert len({key for key, _, _ in files}) == 2 and len(files) == 8  # 2 prompts x 16 tokens, every 4th position
+    assert all(pos % 4 == 0 and re.fullmatch(r"(\d+\.0)+\d*\.?\d*", key) for key, pos, _ in files)
+    (key, pos, _), path = next(iter(files.items()))  # the first written
+    assert np.load(path).shape == (272,) and np.load(path).dtype == np.float32  # the whole vocabulary
     same = _client("--precision-compare", "raw-a", "raw-b", cwd=tmp_path)
     assert same.returncode == 0 and same.stdout.count("ok  ") == 8 and "precision PASS" in same.stdout
     differ = _client("--precision-compare", "raw-a", "raw-c", cwd=tmp_path)
-    first = files[0].name
     assert differ.returncode == 1 and "precision FAIL" in differ.stdout
-    assert f"first difference: {first} (position 0)" in differ.stdout, differ.stdout
+    assert f"first difference: {path.name} (position {pos})" in differ.stdout, differ.stdout
     missing = _client("-P", q.url.rsplit(":", 1)[1], *dump, "--precision-dump", "nowhere", cwd=tmp_path)
     assert missing.returncode != 0

@@ -82,3 +82,51 @@ def test_stream_failure_endings():
     assert bare.end("error", "agent died") == (
         '{"event": "error", "data": [{"error": "agent died", "finish_reason": "predict_failed", '
         '"generated_text": ""}]}\n')
+
+
+def _precision_folder(folder, files: dict[str, list[float]]) -> None:
+    import numpy as np
+
+    folder.mkdir()
+    for name, values in files.items():
+        np.save(folder / name, np.asarray(values, np.float32))
+
+
+def test_precision_compare_reads_the_contests_own_naming(tmp_path, capsys):
+    """A baseline folder named as the contest's agent named its files ({time.time()}_{first 20
+    characters of the ids as floats}_{absolute position}.npy; two prompts sharing their first ids
+    share a key) pairs with ours by request and position, whatever the times."""
+    from agent.logits_dump import ids_key
+    from tools.precision import compare
+
+    a, b = ids_key([1, 20355, 915, 278, 5]), ids_key([1, 20355, 915, 278, 7])
+    assert a == b == "1.020355.0915.0278.0"  # the contest's example name
+    c = ids_key([3])
+    baseline = {f"1718418290.5565388_{a}_100.npy": [1.0, 2.0], f"1718418291.25_{a}_200.npy": [3.0, 4.0],
+                f"1718418295.5_{a}_100.npy": [5.0, 6.0], f"1718418299.0_{c}_100.npy": [7.0, 8.0]}
+    ours = {f"1790000000.1_{a}_100.npy": [1.0, 2.001], f"1790000000.2_{a}_200.npy": [3.0, 4.0],
+            f"1790000003.3_{a}_100.npy": [5.0, 6.0], f"1790000004.4_{c}_100.npy": [7.0, 8.0]}
+    _precision_folder(tmp_path / "base", baseline)
+    _precision_folder(tmp_path / "ours", ours)
+    assert compare(tmp_path / "base", tmp_path / "ours")
+    assert capsys.readouterr().out.count("ok  ") == 4
+    ours["1790000003.3_" + a + "_100.npy"] = [5.0, 6.5]  # the second request with key `a`: paired by order
+    _precision_folder(tmp_path / "off", ours)
+    assert not compare(tmp_path / "base", tmp_path / "off")
+    assert f"first difference: 1718418295.5_{a}_100.npy (position 100)" in capsys.readouterr().out
+
+
+def test_precision_compare_pairs_our_earlier_naming_and_refuses_strangers(tmp_path):
+    import pytest
+
+    from tools.precision import compare
+
+    _precision_folder(tmp_path / "x", {"20261126101010000000001_req3_pos0.npy": [1.0],
+                                       "20261126101010000000002_req3_pos100.npy": [2.0]})
+    _precision_folder(tmp_path / "y", {"20261127101010000000001_req9_pos0.npy": [1.0],
+                                       "20261127101010000000002_req9_pos100.npy": [2.0]})
+    with pytest.raises(SystemExit, match="unpaired"):  # other request keys: not the same run
+        compare(tmp_path / "x", tmp_path / "y")
+    _precision_folder(tmp_path / "z", {"notes.npy": [1.0]})
+    with pytest.raises(SystemExit, match="notes.npy: not a precision file"):
+        compare(tmp_path / "x", tmp_path / "z")
