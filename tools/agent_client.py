@@ -17,21 +17,19 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.config import load_config  # noqa: E402
-from common.model_files import model_identity, resolve_model  # noqa: E402
-from common.tokenizer import load_tokenizer  # noqa: E402
-from shm import protocol as P  # noqa: E402
-from shm.arena import ArenaSpec  # noqa: E402
-from shm.endpoint import agent_address, holder, is_local  # noqa: E402
-from shm.step import RowInput, SamplingColumns, read_row  # noqa: E402
-from shm.group import GroupClient  # noqa: E402
-from shm.transport import AgentClient, AgentError  # noqa: E402
+from common.config import load_config
+from common.model_files import model_identity, resolve_model
+from common.tokenizer import load_tokenizer
+from shm import protocol as P
+from shm.arena import ArenaSpec
+from shm.endpoint import agent_address, holder, is_local
+from shm.step import RowInput, SamplingColumns, read_row
+from shm.group import GroupClient
+from shm.transport import AgentClient, AgentError
 
 SEQ_ID = 1
 

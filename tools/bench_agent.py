@@ -16,15 +16,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common.config import QUANT_GROUP_SIZE  # noqa: E402
-from common.cpu import describe, read_bandwidth  # noqa: E402
+from common.config import QUANT_GROUP_SIZE
+from common.cpu import describe, read_bandwidth
 
 
 class NumpyLlama:

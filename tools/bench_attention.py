@@ -18,13 +18,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from tools.bench_int8_kernel import _array_args, kernel_library  # noqa: E402
+from tools.bench_int8_kernel import _array_args, kernel_library
 
 BLOCK = 16
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8}  # bfloat16 as its bits

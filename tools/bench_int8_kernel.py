@@ -21,9 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def _array_args(arrays: list[np.ndarray]) -> tuple:

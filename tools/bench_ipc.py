@@ -18,17 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from llm_serving.launch import start_agents, stop_agents  # noqa: E402
-from common.config import load_config  # noqa: E402
-from llm_serving.boot import connect_agents  # noqa: E402
-from server.sampling_params import SamplingParams  # noqa: E402
-from shm.step import RowInput, StepDims  # noqa: E402
-from shm import protocol as P  # noqa: E402
-from tools.curve_keys import make  # noqa: E402
+from llm_serving.launch import start_agents, stop_agents
+from common.config import load_config
+from llm_serving.boot import connect_agents
+from server.sampling_params import SamplingParams
+from shm.step import RowInput, StepDims
+from shm import protocol as P
+from tools.curve_keys import make
 
 
 def median_us(fn, n: int) -> float:

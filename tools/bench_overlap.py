@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -23,10 +22,9 @@ from typing import Any
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.cpu import describe  # noqa: E402
-from tools.bench_serving import random_dataset, run_benchmark  # noqa: E402
+from common.cpu import describe
+from tools.bench_serving import random_dataset, run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,13 +8,10 @@ keys replaced. One process, best of several rounds.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.block_manager import BlockManager  # noqa: E402
+from server.block_manager import BlockManager
 
 
 def best_us(fn, rounds: int = 7, calls: int = 200) -> float:

@@ -18,12 +18,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
-import yaml  # noqa: E402
+import httpx
+import yaml
 
-from common.cpu import describe, read_bandwidth  # noqa: E402
+from common.cpu import describe, read_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 

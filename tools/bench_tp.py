@@ -22,11 +22,10 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common.cpu import describe  # noqa: E402
+from common.cpu import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,7 +122,7 @@ def run_mccl(args: argparse.Namespace, hidden: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = Path(tempfile.mkdtemp()) / "mccl.json"
-    code = ("import sys; sys.path.insert(0, '.'); from tools.bench_tp import _mccl; "
+    code = ("import sys; from tools.bench_tp import _mccl; "
             f"_mccl(int(sys.argv[1]), 2, {port}, {hidden}, {args.repeat}, '{out}')")
     sched = subprocess.Popen([sys.executable, "-c", f"from agent.tensor_parallel import run_scheduler; run_scheduler({port}, 2)"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -173,7 +173,7 @@ for m in $MODELS; do
       vllm) run_vllm "$dir" "$OUT/$m/vllm" float32 || log "$m: vllm failed" ;;
       vllm-bf16) run_vllm "$dir" "$OUT/$m/vllm-bf16" bfloat16 || log "$m: vllm bf16 failed" ;;
       llamacpp) for q in $LLAMACPP_TYPES; do run_llamacpp "$dir" "$OUT/$m/llamacpp-$q" $q || log "$m: llama.cpp $q failed"; done ;;
-      hf) "$PEERS/vllm/bin/python" tools/hf_generate.py "$dir" --num-prompts 64 --input-len 128 \
+      hf) "$PEERS/vllm/bin/python" -m tools.hf_generate "$dir" --num-prompts 64 --input-len 128 \
             --output-len 128 --save-result "$OUT/$m/hf_inf.json" > "$OUT/$m/hf.log" 2>&1 || log "$m: hf failed" ;;
       *) log "unknown system $s"; exit 2 ;;
     esac

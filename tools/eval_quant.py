@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common.config import QUANT_GROUP_SIZE  # noqa: E402
+from common.config import QUANT_GROUP_SIZE
 
 CORPUS = Path(__file__).with_name("data") / "eval_corpus.txt"
 PROMPTS = [

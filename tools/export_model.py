@@ -20,14 +20,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from agent.model import LlamaConfig, rope_inv_freq  # noqa: E402
-from agent.lazy_weights import LazyWeights, Weights  # noqa: E402
-from agent.weights import load_model  # noqa: E402
-from common.model_files import resolve_model  # noqa: E402
+from agent.model import LlamaConfig, rope_inv_freq
+from agent.lazy_weights import LazyWeights, Weights
+from agent.weights import load_model
+from common.model_files import resolve_model
 
 # Named shapes (SmolLM2's vocabulary): TinyLlama-1.1B and llama2-7B.
 SHAPES = {"llama-1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632),

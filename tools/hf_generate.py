@@ -12,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.bench_serving import random_dataset  # noqa: E402
+from tools.bench_serving import random_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

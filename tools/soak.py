@@ -23,9 +23,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.fault_inject import ROOT, agent_pids, start_server  # noqa: E402
+from tools.fault_inject import ROOT, agent_pids, start_server
 
 WORDS = ["alpha", "beta", "gamma", "delta", "serving", "memory", "token", "paris", "river", "stone"]
 

@@ -20,10 +20,9 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tools import bench_serving
 
-from tools import bench_serving  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def serve(config: Path, budget: int, log: Path) -> tuple[subprocess.Popen, str]:

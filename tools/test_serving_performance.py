@@ -34,9 +34,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools import precision  # noqa: E402
+from tools import precision
 
 DATASET = "./alpaca_5010.json"
 LOG = logging.getLogger("test_llama")
