@@ -61,6 +61,9 @@ class PlainAttention(nn.Cell):
         self.heads, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.width, self.qk_norm, self.qk_eps = self.q_size + 2 * self.kv_size, cfg.qk_norm, cfg.rms_eps
+        # one mask per distinct sliding window (0: the whole context), each layer's picked by index
+        self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
+        self.mask_of = [self.windows.index(cfg.window(i)) for i in range(cfg.num_layers)]
         half = self.hd // 2
         rot = np.zeros((self.hd, self.hd), np.float32)  # x @ rot == concat(-x2, x1): rotate-half as one matmul
         rot[np.arange(half) + half, np.arange(half)] = -1.0
@@ -70,23 +73,30 @@ class PlainAttention(nn.Cell):
 
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
-        """cos/sin of every token [n, 1, hd], each token's context slots [n, C] and mask bias [n, 1, 1, C]."""
+        """cos/sin of every token [n, 1, hd], each token's context slots [n, C] and its mask biases
+        [n, 1, 1, C], one per sliding window in `windows`."""
         n = positions.shape[0]
         ctx_slots = context_slots(block_tables, self.block_size)
         ctx = ctx_slots.shape[1]
         token_slots = ops.gather(ctx_slots, token_rows, 0)
-        visible = ops.arange(ctx, dtype=ms.int32).reshape(1, ctx) <= positions.reshape(n, 1)
-        bias = ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
-                          ops.full_like(visible, NEG_INF, dtype=ms.float32)).reshape(n, 1, 1, ctx)
+        at = ops.arange(ctx, dtype=ms.int32).reshape(1, ctx)
+        biases = []
+        for window in self.windows:
+            visible = at <= positions.reshape(n, 1)
+            if window:
+                visible = ops.logical_and(visible, at > positions.reshape(n, 1) - window)
+            biases.append(ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
+                                     ops.full_like(visible, NEG_INF, dtype=ms.float32)).reshape(n, 1, 1, ctx))
         cos = ops.gather(cos_table, positions, 0).reshape(n, 1, self.hd)
         sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
-        return cos, sin, token_slots, bias
+        return cos, sin, token_slots, tuple(biases)
 
     def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
-                       pro: Tensor) -> Tensor:
-        """`pro`: the layer's prologue (agent.projections.attention_prologues), applied before rope."""
+                       pro: Tensor, layer: int) -> Tensor:
+        """`pro`: the layer's prologue (agent.projections.attention_prologues), applied before rope;
+        `layer` picks its sliding window's mask."""
         q, k_cache, v_cache = self._rope_write(self._prologue(qkv, pro), c, slots, k_cache, v_cache)
-        return self._attention(q, k_cache, v_cache, c)
+        return self._attention(q, k_cache, v_cache, c[2], c[3][self.mask_of[layer]])
 
     def _prologue(self, qkv: Tensor, pro: Tensor) -> Tensor:
         """The Q|K|V bias, then (where the family has it) RMSNorm over each q and k head."""
@@ -113,8 +123,7 @@ class PlainAttention(nn.Cell):
         return (q, ops.scatter_update(k_cache, slots, k),
                 ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd)))
 
-    def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, c: tuple) -> Tensor:
-        token_slots, bias = c[2], c[3]
+    def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, token_slots: Tensor, bias: Tensor) -> Tensor:
         n, ctx = token_slots.shape
         chunk = max(1, GATHER_BYTES // (ctx * self.kv * self.hd * 8))
         if chunk >= n:

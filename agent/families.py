@@ -1,7 +1,8 @@
 """The model families the agent serves, as small descriptions, and the reading of a Hugging Face
-config.json in either layout transformers writes (4.x: top-level `rope_theta` / `rope_scaling`;
-5.x: `rope_parameters`, `layer_types`). Whatever would change the math and is not implemented is
-refused at load by name, in one line; so is a tensor in the file that nothing reads."""
+config.json in either layout transformers writes (4.x: top-level `rope_theta` / `rope_scaling`,
+`use_sliding_window`; 5.x: `rope_parameters`, `layer_types`). Whatever would change the math and is
+not implemented is refused at load by name, in one line; so is a tensor in the file that nothing
+reads."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -53,7 +54,7 @@ def hf_config(c: dict[str, Any]) -> LlamaConfig:
         rms_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=c.get("tie_word_embeddings", False), max_position=c.get("max_position_embeddings", 4096),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=list(eos) if isinstance(eos, list) else [eos],
-        sliding_window=_window(c), **family_fields(kind))
+        layer_windows=_layer_windows(c), **family_fields(kind))
 
 
 def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -71,24 +72,23 @@ def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (dict(rope, rope_type=kind) if kind != "default" else None)
 
 
-def _window(c: dict[str, Any]) -> int | None:
-    """The sliding window when any layer uses one (Mistral: every layer; Qwen2/3: `use_sliding_window`
-    or 5.x `layer_types`), else None."""
-    types = c.get("layer_types") or []
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
-        raise UnsupportedModel(f"layer_types {sorted(set(types))} are not supported")
-    sliding = "sliding_attention" in types or (c.get("model_type") == "mistral" and not types) \
-        or c.get("use_sliding_window", False)
-    return c.get("sliding_window") if sliding else None
-
-
-def check_context(cfg: LlamaConfig) -> None:
-    """Sliding-window attention is not implemented: a context that fits in the window is exact."""
-    if cfg.sliding_window is not None and cfg.max_position > cfg.sliding_window:
-        raise UnsupportedModel(
-            f"{cfg.family}: sliding_window {cfg.sliding_window} is shorter than the context {cfg.max_position}; "
-            f"sliding-window attention is not implemented: set max_model_len (seq_length) to at most "
-            f"{cfg.sliding_window}")
+def _layer_windows(c: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none): 5.x `layer_types`; else Mistral's on every layer, Qwen2/3's
+    (`use_sliding_window`) on layers from `max_window_layers` on, as transformers 4.x reads them."""
+    n, window = c["num_hidden_layers"], c.get("sliding_window") or 0
+    types = c.get("layer_types")
+    if types is not None:
+        if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise UnsupportedModel(f"layer_types {sorted(set(types))} are not supported (full_attention, "
+                                   "sliding_attention, one per layer)")
+        sliding = [t == "sliding_attention" for t in types]
+    elif c.get("model_type") == "mistral":
+        sliding = [True] * n
+    else:
+        first = c.get("max_window_layers", n) if c.get("use_sliding_window") else n
+        sliding = [i >= first for i in range(n)]
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()
 
 
 def expected_tensors(cfg: LlamaConfig) -> tuple[set[str], set[str]]:

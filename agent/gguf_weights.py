@@ -99,8 +99,8 @@ def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, e
         rms_eps=a("attention.layer_norm_rms_epsilon"), rope_theta=a("rope.freq_base", 10000.0),
         rope_scaling={"rope_type": "linear", "factor": a("rope.scaling.factor")} if scaling == "linear" else None,
         rope_freq_factors=factors, tie_word_embeddings=not untied, max_position=a("context_length", 4096),
-        bos_token_id=bos, eos_token_ids=[eos], sliding_window=a("attention.sliding_window"),
-        **family_fields(ARCHITECTURES[arch]))
+        bos_token_id=bos, eos_token_ids=[eos], layer_windows=(a("attention.sliding_window"),) * a("block_count")
+        if a("attention.sliding_window") else (), **family_fields(ARCHITECTURES[arch]))
 
 
 def _unpermuted(reader: Any, t: Any, int8: bool, heads: int | None) -> Any:

@@ -160,7 +160,7 @@ class Projection(nn.Cell):
                          v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
         """Layer i's attention from its Q|K|V projection and prologue `pro` (`attn`: agent.attention's
         cell; the step's keys and values go into the caches) and this projection of it."""
-        return self.linear(attn.rope_attention(qkv, c, slots, k_cache, v_cache, pro), i)
+        return self.linear(attn.rope_attention(qkv, c, slots, k_cache, v_cache, pro, i), i)
 
 
 class PlainLinear(Projection):

@@ -40,7 +40,7 @@ class LlamaConfig:
     family: str = "llama"  # agent.families: the family's name; what it adds to the Llama layer follows
     qkv_bias: bool = False  # biases on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
-    sliding_window: int | None = None  # served only where the context fits in it (agent.families.check_context)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); empty: no layer has one
     rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (GGUF `rope_freqs`: Llama 3's scaling)
 
     def __post_init__(self) -> None:
@@ -48,6 +48,12 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens (0: it sees its whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:

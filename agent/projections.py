@@ -47,19 +47,21 @@ def row_scale(cfg: Any, attn_scale: float) -> float:
 def attention_prologues(cfg: Any, w: Weights, attn_scale: float) -> Iterator[np.ndarray]:
     """Per layer, what agent/kernels/fused.cpp's RopeCache applies to Q|K|V before rope, as one
     float32 array: the bias (zeros where the family has none; the query's scaled as its rows are),
-    the q and k heads' RMSNorm gains (the attention scale in q's) and that norm's eps (0: none)."""
+    the q and k heads' RMSNorm gains (the attention scale in q's) and that norm's eps (0: none);
+    then the layer's sliding window (0: none), which the attention reads."""
     hd, q_width = cfg.head_dim, cfg.num_heads * cfg.head_dim
     width = q_width + 2 * cfg.num_kv_heads * hd
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}.self_attn."
-        out = np.zeros(width + 2 * hd + 1, np.float32)
+        out = np.zeros(width + 2 * hd + 2, np.float32)
         if cfg.qkv_bias:
             out[:width] = np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"])
             out[:q_width] *= row_scale(cfg, attn_scale)
         if cfg.qk_norm:
             out[width:width + hd] = np.asarray(w[p + "q_norm.weight"], np.float32) * attn_scale
             out[width + hd:width + 2 * hd] = w[p + "k_norm.weight"]
-            out[-1] = cfg.rms_eps
+            out[-2] = cfg.rms_eps
+        out[-1] = cfg.window(i)
         yield out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from agent.families import check_context, check_tensors, hf_config
+from agent.families import check_tensors, hf_config
 from agent.gguf_weights import load_gguf
 from agent.lazy_weights import LazyWeights, Weights
 from agent.model import LlamaConfig
@@ -40,7 +40,6 @@ def load_model(files: ModelFiles, max_position: int | None = None, int8: bool = 
         cfg, weights = {"hf": _load_hf, "mindformers": _load_mindformers}[files.kind](files)
     if max_position:
         cfg.max_position = max_position
-    check_context(cfg)
     return cfg, weights
 
 

@@ -34,6 +34,10 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=512), dict(rope_type="default", rope_theta=1000000.0)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), dict(rope_type="default", rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(head_dim=32), dict(rope_type="default", rope_theta=1000000.0)),
+    # sliding windows shorter than the prompts + 32 tokens: Mistral's on every layer, Qwen2's from layer 1
+    "mistral-window": ("MistralConfig", dict(sliding_window=8), dict(rope_type="default", rope_theta=10000.0)),
+    "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                     dict(rope_type="default", rope_theta=10000.0)),
 }
 
 

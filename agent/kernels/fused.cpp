@@ -93,7 +93,7 @@ int rope(void **params, int64_t **shapes) {
   const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0], cache_slots = shapes[5][0];
   const int64_t kv = shapes[5][1], row = shapes[5][2], hd = row - kernels::SCALE_BYTES<T>, half = hd / 2;
   const int64_t qw = shapes[8][1], kw = kv * hd;
-  if (hd <= 0 || qw + 2 * kw != width || shapes[7][0] != width + 2 * hd + 1) return 1;
+  if (hd <= 0 || qw + 2 * kw != width || shapes[7][0] != width + 2 * hd + 2) return 1;
   const float *q_gain = pre + width, *k_gain = q_gain + hd, qk_eps = pre[width + 2 * hd];
   std::vector<float> roped(hd), biased(width);
   for (int64_t r = 0; r < n; ++r) {
@@ -133,8 +133,9 @@ int rope(void **params, int64_t **shapes) {
 // the cache's later reads after it). Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables
 // [max_position, hd], positions [n], slots [n] int32, k_cache/v_cache [S, kv, hd] (float32, uint16
 // bfloat16 bits or float16) or [S, kv, hd + 4] (int8 and a scale per head; written in place), the
-// layer's prologue [(h + 2 kv) * hd + 2 hd + 1]: the Q|K|V bias (zeros where the family has none), the
-// q and k heads' RMSNorm gains and that norm's eps (0: no q/k norm), applied before rope.
+// layer's prologue [(h + 2 kv) * hd + 2 hd + 2]: the Q|K|V bias (zeros where the family has none), the
+// q and k heads' RMSNorm gains and that norm's eps (0: no q/k norm), applied before rope, then the
+// layer's sliding window (0: none; RopeAttention's, read by PagedAttention).
 // Output: q [n, h * hd] float32.
 extern "C" int RopeCache(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                          void *extra) {
@@ -167,8 +168,8 @@ extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **s
 // RopeCache then PagedAttention as one op: the decoder layer's attention from its Q|K|V projection
 // (one dispatch instead of two, ~20 us each in MindSpore per layer). Marked as writing memory, as
 // RopeCache is. Inputs: qkv, cos, sin, positions, slots, k_cache, v_cache (as RopeCache), context
-// slots [R, C] and token rows [n] int32 (as PagedAttention), the prologue (as RopeCache). Output:
-// attention [n, h * hd] float32.
+// slots [R, C] and token rows [n] int32 (as PagedAttention), the prologue (as RopeCache; its last
+// value the layer's sliding window). Output: attention [n, h * hd] float32.
 extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   if (nparam != 11) return 1;
@@ -182,11 +183,14 @@ extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **sh
   const char *rt[9] = {dtypes[0], dtypes[1], dtypes[2], dtypes[3], dtypes[4], dtypes[5], dtypes[6], dtypes[9],
                        "float32"};
   if (int rc = RopeCache(9, rp, rd, rs, rt, stream, extra)) return rc;
-  void *ap[7] = {q.data(), params[5], params[6], params[7], params[8], params[3], params[10]};
-  int ad[7] = {2, ndims[5], ndims[6], ndims[7], ndims[8], ndims[3], ndims[10]};
-  int64_t *as[7] = {qshape, shapes[5], shapes[6], shapes[7], shapes[8], shapes[3], shapes[10]};
-  const char *at[7] = {"float32", dtypes[5], dtypes[6], dtypes[7], dtypes[8], dtypes[3], dtypes[10]};
-  return PagedAttention(7, ap, ad, as, at, stream, extra);
+  const float *pro = static_cast<const float *>(params[9]);
+  int32_t window = static_cast<int32_t>(pro[shapes[9][0] - 1]);
+  int64_t one = 1;
+  void *ap[8] = {q.data(), params[5], params[6], params[7], params[8], params[3], &window, params[10]};
+  int ad[8] = {2, ndims[5], ndims[6], ndims[7], ndims[8], ndims[3], 1, ndims[10]};
+  int64_t *as[8] = {qshape, shapes[5], shapes[6], shapes[7], shapes[8], shapes[3], &one, shapes[10]};
+  const char *at[8] = {"float32", dtypes[5], dtypes[6], dtypes[7], dtypes[8], dtypes[3], "int32", dtypes[10]};
+  return PagedAttention(8, ap, ad, as, at, stream, extra);
 }
 
 namespace {

@@ -15,7 +15,8 @@
 // [S, kv, hd + 4]),
 // ctx_slots [R, C] (cache slot of each context position of each sequence), token_rows [N] (the
 // sequence of each token; a sequence's tokens are contiguous), positions [N] (token n sees context
-// positions 0..positions[n]). Output [N, H*hd].
+// positions 0..positions[n]), optionally window [1] int32 (a sliding window: token n sees only the
+// last `window` of those, positions[n] - window + 1..positions[n]; 0: all). Output [N, H*hd].
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -52,7 +53,7 @@ struct Args {
   const T *kc, *vc;
   const int32_t *slots, *rows, *pos;
   float *out;
-  int64_t n, kv, hd, grp, ctx;
+  int64_t n, kv, hd, grp, ctx, window;
   const int32_t *row_slots(int64_t token) const { return slots + rows[token] * ctx; }
   int64_t head_row() const { return hd + kernels::SCALE_BYTES<T>; }  // T elements per head in a cache row
   int64_t stride() const { return kv * head_row(); }         // T elements per slot
@@ -407,8 +408,8 @@ template <typename T>
 void attend_any(const Args<T> &a, int64_t row, int64_t g0, int64_t g1) {
   const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.stride();
   std::vector<float> s(a.ctx);
-  const int64_t len = std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
-  const int32_t *slots = a.row_slots(row);
+  const int64_t len = visible(a, row) - first(a, row);
+  const int32_t *slots = a.row_slots(row) + first(a, row);
   for (int64_t h = g0 * a.grp; h < g1 * a.grp; ++h) {
     const float *q = a.q + row * width + h * hd;
     const T *kc = a.kc + (h / a.grp) * a.head_row(), *vc = a.vc + (h / a.grp) * a.head_row();
@@ -432,6 +433,12 @@ inline int64_t visible(const Args<T> &a, int64_t row) {
   return std::min<int64_t>(std::max<int32_t>(a.pos[row], 0) + 1, a.ctx);
 }
 
+// The first context position token `row` sees: 0, or the start of its sliding window.
+template <typename T>
+inline int64_t first(const Args<T> &a, int64_t row) {
+  return a.window > 0 ? std::max<int64_t>(0, visible(a, row) - a.window) : 0;
+}
+
 constexpr int64_t SPLIT_KEYS = 64;  // fewest keys per core worth splitting one token's context for
 constexpr int64_t QUERY_BLOCK = 32;  // queries per GEMM task: causal blocks stop at their last key
 constexpr int64_t GEMM_MIN_QUERIES = 8;
@@ -440,14 +447,15 @@ constexpr int64_t GEMM_MIN_QUERIES = 8;
 template <typename T>
 void attend_gemm(const Args<T> &a, int64_t t0, int64_t t1, int64_t g) {
   const int64_t hd = a.hd, width = a.kv * a.grp * hd, stride = a.stride(), m = t1 - t0;
-  int64_t len = 0;
-  for (int64_t t = t0; t < t1; ++t) len = std::max(len, visible(a, t));
+  int64_t len = 0, lo = first(a, t0);  // keys [lo, len): a chunk's positions rise, so t0's window starts first
+  for (int64_t t = t0; t < t1; ++t) len = std::max(len, visible(a, t)), lo = std::min(lo, first(a, t));
+  const int64_t span = len - lo;
   thread_local std::vector<float> keys, vals, s;
-  keys.resize(len * hd);
-  vals.resize(len * hd);
-  s.resize(m * len);
-  const int32_t *slots = a.row_slots(t0);
-  for (int64_t j = 0; j < len; ++j) {
+  keys.resize(span * hd);
+  vals.resize(span * hd);
+  s.resize(m * span);
+  const int32_t *slots = a.row_slots(t0) + lo;
+  for (int64_t j = 0; j < span; ++j) {
     const T *k = a.kc + slots[j] * stride + g * a.head_row(), *v = a.vc + slots[j] * stride + g * a.head_row();
     const float sk = row_scale(k, hd), sv = row_scale(v, hd);
     for (int64_t d = 0; d < hd; ++d) {
@@ -456,24 +464,25 @@ void attend_gemm(const Args<T> &a, int64_t t0, int64_t t1, int64_t g) {
     }
   }
   for (int64_t h = g * a.grp; h < (g + 1) * a.grp; ++h) {
-    dnnl_sgemm('N', 'T', m, len, hd, 1.f, a.q + t0 * width + h * hd, width, keys.data(), hd, 0.f, s.data(), len);
+    dnnl_sgemm('N', 'T', m, span, hd, 1.f, a.q + t0 * width + h * hd, width, keys.data(), hd, 0.f, s.data(), span);
     for (int64_t r = 0; r < m; ++r) {
-      float *row = &s[r * len];
-      const int64_t n = visible(a, t0 + r);
-      softmax(row, n);
-      std::fill(row + n, row + len, 0.f);
+      float *row = &s[r * span];
+      const int64_t f = first(a, t0 + r) - lo, n = visible(a, t0 + r) - lo;
+      softmax(row + f, n - f);
+      std::fill(row, row + f, 0.f);
+      std::fill(row + n, row + span, 0.f);
     }
-    dnnl_sgemm('N', 'N', m, hd, len, 1.f, s.data(), len, vals.data(), hd, 0.f, a.out + t0 * width + h * hd, width);
+    dnnl_sgemm('N', 'N', m, hd, span, 1.f, s.data(), span, vals.data(), hd, 0.f, a.out + t0 * width + h * hd, width);
   }
 }
 
 template <typename T>
 void attend(const Args<T> &a, int64_t row, int64_t g0, int64_t g1) {
-  const int64_t len = visible(a, row);
+  const int64_t j0 = first(a, row), len = visible(a, row);
   float *o = a.out + row * a.kv * a.grp * a.hd;
   switch (a.hd) {
-    case 64: return attend_row<64, T>(a, row, g0, g1, 0, len, o, nullptr);
-    case 128: return attend_row<128, T>(a, row, g0, g1, 0, len, o, nullptr);
+    case 64: return attend_row<64, T>(a, row, g0, g1, j0, len, o, nullptr);
+    case 128: return attend_row<128, T>(a, row, g0, g1, j0, len, o, nullptr);
     default: return attend_any(a, row, g0, g1);
   }
 }
@@ -482,19 +491,19 @@ void attend(const Args<T> &a, int64_t row, int64_t g0, int64_t g1) {
 // blocks), into part p's o and stats.
 template <typename T>
 void attend_part(const Args<T> &a, int64_t row, int64_t p, int64_t parts, float *o, float *stats) {
-  const int64_t blocks = (visible(a, row) + KEY_BLOCK - 1) / KEY_BLOCK, heads = a.kv * a.grp;
-  const int64_t j0 = blocks * p / parts * KEY_BLOCK, j1 = std::min(visible(a, row), blocks * (p + 1) / parts * KEY_BLOCK);
+  const int64_t f = first(a, row), blocks = (visible(a, row) - f + KEY_BLOCK - 1) / KEY_BLOCK, heads = a.kv * a.grp;
+  const int64_t j0 = f + blocks * p / parts * KEY_BLOCK, j1 = std::min(visible(a, row), f + blocks * (p + 1) / parts * KEY_BLOCK);
   o += p * heads * a.hd, stats += p * 2 * heads;
   if (a.hd == 64) attend_row<64, T>(a, row, 0, a.kv, j0, j1, o, stats);
   else attend_row<128, T>(a, row, 0, a.kv, j0, j1, o, stats);
 }
 
 template <typename T>
-int run(void **params, int64_t **shapes) {
+int run(void **params, int64_t **shapes, float *out, int64_t window) {
   Args<T> a{static_cast<const float *>(params[0]), static_cast<const T *>(params[1]),
             static_cast<const T *>(params[2]), static_cast<const int32_t *>(params[3]),
             static_cast<const int32_t *>(params[4]), static_cast<const int32_t *>(params[5]),
-            static_cast<float *>(params[6]), shapes[0][0], shapes[1][1], shapes[1][2] - kernels::SCALE_BYTES<T>, 0, shapes[3][1]};
+            out, shapes[0][0], shapes[1][1], shapes[1][2] - kernels::SCALE_BYTES<T>, 0, shapes[3][1], window};
   if (a.hd <= 0 || a.kv <= 0 || shapes[0][1] % (a.kv * a.hd)) return 1;
   a.grp = shapes[0][1] / (a.kv * a.hd);
   const int64_t n_rows = shapes[3][0];
@@ -521,7 +530,7 @@ int run(void **params, int64_t **shapes) {
   // 5.6-6.4 -> 2.5-2.9 ms, fp32 7.9-8.9 -> 4.0-5.2 ms; SmolLM2 fp32 0.34 -> 0.19 ms.
   const int64_t cores = kernels::pinned_cores();
   if (static_cast<int64_t>(tasks.size()) < cores && a.n == 1 && tasks[0].g < 0 && a.kv % cores &&
-      (a.hd == 64 || a.hd == 128) && visible(a, 0) >= cores * SPLIT_KEYS) {
+      (a.hd == 64 || a.hd == 128) && visible(a, 0) - first(a, 0) >= cores * SPLIT_KEYS) {
     const int64_t heads = a.kv * a.grp;
     thread_local std::vector<float> parts;  // each part's o, then each part's stats
     parts.resize(cores * heads * (a.hd + 2));
@@ -553,12 +562,15 @@ int run(void **params, int64_t **shapes) {
 
 extern "C" int PagedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  if (nparam != 7 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], dtypes[2]) ||
-      std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32"))
+  if ((nparam != 7 && nparam != 8) || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], dtypes[2]) ||
+      std::strcmp(dtypes[3], "int32") || std::strcmp(dtypes[4], "int32") || std::strcmp(dtypes[5], "int32") ||
+      (nparam == 8 && std::strcmp(dtypes[6], "int32")))
     return 1;
-  if (!std::strcmp(dtypes[1], "float32")) return run<float>(params, shapes);
-  if (!std::strcmp(dtypes[1], "uint16")) return run<Bf16>(params, shapes);  // bfloat16 bits
-  if (!std::strcmp(dtypes[1], "float16")) return run<_Float16>(params, shapes);
-  if (!std::strcmp(dtypes[1], "int8")) return run<int8_t>(params, shapes);  // rows of hd values + a float32 scale
+  const int64_t window = nparam == 8 ? *static_cast<const int32_t *>(params[6]) : 0;
+  float *out = static_cast<float *>(params[nparam - 1]);
+  if (!std::strcmp(dtypes[1], "float32")) return run<float>(params, shapes, out, window);
+  if (!std::strcmp(dtypes[1], "uint16")) return run<Bf16>(params, shapes, out, window);  // bfloat16 bits
+  if (!std::strcmp(dtypes[1], "float16")) return run<_Float16>(params, shapes, out, window);
+  if (!std::strcmp(dtypes[1], "int8")) return run<int8_t>(params, shapes, out, window);  // hd values + a float32 scale
   return 1;
 }

@@ -88,13 +88,13 @@ def test_float32_matches_transformers(folder):
     compare(runner_for(folder), folder, "float32")
 
 
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "qwen2-window-tf5"])
 def test_plain_mindspore_path_matches_transformers(folder):
     compare(runner_for(folder, native=False), folder, "float32")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "mistral-window-tf5"])
 def test_reduced_precision_within_its_tolerance(folder, dtype):
     compare(runner_for(folder, dtype), folder, dtype)
 
@@ -161,7 +161,7 @@ def _edited(tmp_path: Path, folder: str, extra_tensors: dict | None = None, **co
     ("llama-tf5", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("llama-tf5", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     ("qwen3-tf5", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
-    ("qwen2-tf5", dict(use_sliding_window=True, sliding_window=32), "sliding_window 32 is shorter than the context 64"),
+    ("qwen2-tf5", dict(layer_types=["full_attention", "chunked_attention"]), "layer_types .* are not supported"),
 ])
 def test_what_would_be_served_wrong_is_refused_by_name(tmp_path, folder, edit, message):
     from agent.families import UnsupportedModel
@@ -199,3 +199,17 @@ def test_an_unsupported_gguf_architecture_is_refused_by_name(tmp_path, byte_toke
     writer.close()
     with pytest.raises(UnsupportedModel, match="GGUF architecture 'phi3' is not supported"):
         load_model(ModelFiles("gguf", path))
+
+
+def test_sliding_windows_read_from_either_layout():
+    """5.x lists layer_types; 4.x Mistral slides every layer, 4.x Qwen2 from max_window_layers on
+    when use_sliding_window, and a null window is no window."""
+    from agent.families import _layer_windows
+
+    base = dict(num_hidden_layers=3, sliding_window=8)
+    assert _layer_windows(dict(base, layer_types=["sliding_attention", "full_attention", "sliding_attention"])) \
+        == (8, 0, 8)
+    assert _layer_windows(dict(base, model_type="mistral")) == (8, 8, 8)
+    assert _layer_windows(dict(base, model_type="mistral", sliding_window=None)) == ()
+    assert _layer_windows(dict(base, model_type="qwen2", use_sliding_window=True, max_window_layers=2)) == (0, 0, 8)
+    assert _layer_windows(dict(base, model_type="qwen2", use_sliding_window=False)) == ()

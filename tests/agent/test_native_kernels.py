@@ -16,7 +16,7 @@ def dequantized(rows: np.ndarray) -> np.ndarray:
     return rows[..., :-4].astype(np.float64) * rows[..., -4:].copy().view(np.float32).astype(np.float64)
 
 
-def reference(q, kc, vc, slots, token_rows, pos):
+def reference(q, kc, vc, slots, token_rows, pos, window=0):
     if kc.dtype == np.int8:
         kc, vc = dequantized(kc), dequantized(vc)
     n, width = q.shape
@@ -24,7 +24,7 @@ def reference(q, kc, vc, slots, token_rows, pos):
     heads = width // hd
     out = np.zeros((n, width))
     for row in range(n):
-        ctx = slots[token_rows[row], :pos[row] + 1]
+        ctx = slots[token_rows[row], max(0, pos[row] + 1 - window) if window else 0:pos[row] + 1]
         for h in range(heads):
             k = kc[ctx, h // (heads // kv)].astype(np.float64)
             v = vc[ctx, h // (heads // kv)].astype(np.float64)
@@ -48,7 +48,7 @@ def reference(q, kc, vc, slots, token_rows, pos):
          "one-decode-token-long-context-keys-split", "one-decode-token-one-kv-head-hd128-keys-split",
          "gqa-5-heads-a-kv-head"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx, kv_dtype):
+def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx, kv_dtype, window=0):
     """Every path, over a float32 cache and over an int8 one (rows of values and their scale, as
     RopeCache writes them: the reference reads the same rows dequantized)."""
     import mindspore as ms
@@ -81,9 +81,22 @@ def test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx, kv_dtype):
     pos = rng.integers(0, ctx, n).astype(np.int32)
     pos[:3] = [ctx - 1, 0, 6][:n]
     q = rng.standard_normal((n, heads * hd), dtype=np.float32) / np.sqrt(hd)
+    extra = (Tensor(np.array([window], np.int32)),) if window else ()
     got = Attention()(Tensor(q), ms.Parameter(Tensor(kc), name="k"), ms.Parameter(Tensor(vc), name="v"),
-                      Tensor(slots), Tensor(token_rows), Tensor(pos)).asnumpy()
-    np.testing.assert_allclose(got, reference(q, kc, vc, slots, token_rows, pos), atol=1e-4, rtol=1e-4)
+                      Tensor(slots), Tensor(token_rows), Tensor(pos), *extra).asnumpy()
+    np.testing.assert_allclose(got, reference(q, kc, vc, slots, token_rows, pos, window), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv,hd,q_lens,ctx,window", [
+    (9, 3, 64, [1, 40, 1, 3, 9], 48, 21), (4, 2, 16, [33, 1, 1, 8, 2], 48, 5), (4, 4, 128, [1], 48, 21),
+    (9, 3, 64, [1], 300, 200), (8, 1, 128, [1], 517, 300)],
+    ids=["packed-mix-gqa", "packed-mix-hd16", "one-decode-token-mha-hd128", "one-decode-token-keys-split",
+         "one-kv-head-keys-split"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_sliding_window_sees_only_its_last_keys(heads, kv, hd, q_lens, ctx, window, kv_dtype):
+    """The optional window input (Mistral, Qwen2's sliding layers): each token attends to the last
+    `window` positions of its context, on every path (per token, GEMM chunks, keys split)."""
+    test_kernel_matches_numpy(heads, kv, hd, q_lens, ctx, kv_dtype, window)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 100), (130, 96, 49), (64, 1536, 8)],
