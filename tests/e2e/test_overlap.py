@@ -100,9 +100,10 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict[bool, tuple[dict, dict, list[
                 stop = text[len(text) // 2:len(text) // 2 + 3]
             full = stream(srv.url, PROMPTS[3], max_new_tokens=100, ignore_eos=True)  # what the cancelled one would get
             batch = mixed_batch(srv.url, stop)
+            # The cancel job hangs up after 4 tokens; a client starved that long on a busy machine may
+            # find its 400 already generated (the server does not wait for readers), so the reason is not
+            # asserted here: test_server_e2e's disconnect test proves the cancel with its agent paused.
             results[overlap] = (batch, full, _steps(srv.url), _idle(srv.url))
-            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-            assert 'llm_serving_requests_finished_total{reason="cancelled"} 1.0' in metrics
         finally:
             srv.stop()
     results["stop"] = stop
