@@ -173,6 +173,10 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
     names = [k for k in w if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     q8 = gguf.GGMLQuantizationType.Q8_0
 
+    if cfg.layer_windows:  # GGUF has one window for every layer (`{arch}.attention.sliding_window`)
+        if len(set(cfg.layer_windows)) != 1:
+            raise ValueError(f"sliding windows per layer {cfg.layer_windows}: a {arch} GGUF holds one for all layers")
+        writer.add_sliding_window(cfg.layer_windows[0])
     if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
