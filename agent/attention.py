@@ -64,6 +64,10 @@ class PlainAttention(nn.Cell):
         # one mask per distinct sliding window (0: the whole context), each layer's picked by index
         self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
         self.mask_of = [self.windows.index(cfg.window(i)) for i in range(cfg.num_layers)]
+        # one cos/sin gather per rope table the layers take (agent.model.rope_tables)
+        self.tables = sorted({cfg.rope_table(i) for i in range(cfg.num_layers)})
+        self.table_of = [self.tables.index(cfg.rope_table(i)) for i in range(cfg.num_layers)]
+        self.max_position = cfg.max_position
         half = self.hd // 2
         rot = np.zeros((self.hd, self.hd), np.float32)  # x @ rot == concat(-x2, x1): rotate-half as one matmul
         rot[np.arange(half) + half, np.arange(half)] = -1.0
@@ -73,8 +77,8 @@ class PlainAttention(nn.Cell):
 
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
-        """cos/sin of every token [n, 1, hd], each token's context slots [n, C] and its mask biases
-        [n, 1, 1, C], one per sliding window in `windows`."""
+        """cos/sin of every token [n, 1, hd] (one pair per rope table in `tables`), each token's context
+        slots [n, C] and its mask biases [n, 1, 1, C], one per sliding window in `windows`."""
         n = positions.shape[0]
         ctx_slots = context_slots(block_tables, self.block_size)
         ctx = ctx_slots.shape[1]
@@ -87,15 +91,17 @@ class PlainAttention(nn.Cell):
                 visible = ops.logical_and(visible, at > positions.reshape(n, 1) - window)
             biases.append(ops.select(visible, ops.zeros_like(visible, dtype=ms.float32),
                                      ops.full_like(visible, NEG_INF, dtype=ms.float32)).reshape(n, 1, 1, ctx))
-        cos = ops.gather(cos_table, positions, 0).reshape(n, 1, self.hd)
-        sin = ops.gather(sin_table, positions, 0).reshape(n, 1, self.hd)
+        rows = [positions + t * self.max_position for t in self.tables]
+        cos = tuple(ops.gather(cos_table, r, 0).reshape(n, 1, self.hd) for r in rows)
+        sin = tuple(ops.gather(sin_table, r, 0).reshape(n, 1, self.hd) for r in rows)
         return cos, sin, token_slots, tuple(biases)
 
     def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
                        pro: Tensor, layer: int) -> Tensor:
-        """`pro`: the layer's prologue (agent.projections.attention_prologues), applied before rope;
-        `layer` picks its sliding window's mask."""
-        q, k_cache, v_cache = self._rope_write(self._prologue(qkv, pro), c, slots, k_cache, v_cache)
+        """`pro`: the layer's prologue (agent.projections.layer_prologues), applied before rope;
+        `layer` picks its rope table and its sliding window's mask."""
+        t = self.table_of[layer]
+        q, k_cache, v_cache = self._rope_write(self._prologue(qkv, pro), c[0][t], c[1][t], slots, k_cache, v_cache)
         return self._attention(q, k_cache, v_cache, c[2], c[3][self.mask_of[layer]])
 
     def _prologue(self, qkv: Tensor, pro: Tensor) -> Tensor:
@@ -110,7 +116,8 @@ class PlainAttention(nn.Cell):
         k = k * ops.rsqrt(ops.mean(k * k, -1, keep_dims=True) + self.qk_eps) * pro[self.width + hd:self.width + 2 * hd]
         return ops.concat((q.reshape(n, -1), k.reshape(n, -1), v), 1)
 
-    def _rope_write(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple:
+    def _rope_write(self, qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor,
+                    v_cache: Tensor) -> tuple:
         """Rope on the query and key heads at once: (q [n, H, hd], the updated caches). Keys and values
         are scattered into the caches by slot: O(tokens), where every other write form copies the
         whole cache; attention reads what the scatters return (read back from the Parameters, a
@@ -118,7 +125,7 @@ class PlainAttention(nn.Cell):
         n, hd = qkv.shape[0], self.hd
         qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
         qk = qk.reshape(n, self.heads + self.kv, hd)
-        qk = qk * c[0] + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * c[1]
+        qk = qk * cos + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * sin
         q, k = ops.split(qk, (self.heads, self.kv), 1)
         return (q, ops.scatter_update(k_cache, slots, k),
                 ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd)))

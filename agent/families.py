@@ -17,13 +17,23 @@ class Family:
     """What a family adds to the Llama decoder (RMSNorm, SwiGLU, rotate-half rope, GQA)."""
     qkv_bias: bool = False  # biases on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
+    sandwich_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs too (Gemma 3)
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
+    norm_offset: float = 0.0  # added to every RMSNorm weight a Hugging Face file holds (Gemma: x * (1 + w))
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    tied_by_default: bool = False  # transformers' default `tie_word_embeddings` (a saved config omits defaults)
 
 
-FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm=True)}
+GEMMA3 = Family(qk_norm=True, sandwich_norms=True, activation="gelu_tanh", norm_offset=1.0, embed_scale=True,
+                tied_by_default=True)
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm=True),
+            "gemma3_text": GEMMA3}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 ROPE_TYPES = ("default", "linear", "llama3")
 # Fields whose non-default value changes the math in a way no family here implements.
-_REFUSED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "attn_logit_softcapping": None,
-            "final_logit_softcapping": None, "partial_rotary_factor": 1.0, "quantization_config": None}
+_REFUSED = {"attention_bias": False, "mlp_bias": False, "attn_logit_softcapping": None,
+            "final_logit_softcapping": None, "partial_rotary_factor": 1.0, "quantization_config": None,
+            "use_bidirectional_attention": False}
 # Buffers some checkpoints carry that are derived from the config.
 _DERIVED = ("rotary_emb.inv_freq",)
 
@@ -33,36 +43,72 @@ class UnsupportedModel(ValueError):
 
 
 def family_fields(kind: str) -> dict[str, Any]:
-    """The config fields (LlamaConfig's) that say what family `kind` adds to the Llama layer."""
-    return dict(family=kind, **asdict(FAMILIES[kind]))
+    """The config fields (LlamaConfig's) that say what family `kind` adds to the Llama layer (the norm
+    offset is applied to a Hugging Face file's weights as they are read: GGUF files hold it added)."""
+    fields = asdict(FAMILIES[kind])
+    del fields["norm_offset"], fields["tied_by_default"]
+    return dict(family=kind, **fields)
 
 
 def hf_config(c: dict[str, Any]) -> LlamaConfig:
     """Our config from a transformers config.json, either layout; refuses what it cannot serve."""
     kind = c.get("model_type", "llama")
     if kind not in FAMILIES:
-        raise UnsupportedModel(f"model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
+        hint = " (the text model: Gemma3ForCausalLM, model_type gemma3_text)" if kind == "gemma3" else ""
+        raise UnsupportedModel(f"model_type {kind!r} is not supported{hint} (supported: {', '.join(FAMILIES)})")
     for key, default in _REFUSED.items():
         if c.get(key) is not None and c[key] != default:
             raise UnsupportedModel(f"{kind}: {key}={c[key]!r} is not supported (only {default!r})")
-    theta, scaling = _rope(c)
+    family = FAMILIES[kind]
+    key = "hidden_activation" if c.get("hidden_activation") else "hidden_act"
+    act = c.get(key) or "silu"
+    if ACTIVATIONS.get(act) != family.activation:
+        only = next(k for k, v in ACTIVATIONS.items() if v == family.activation)
+        raise UnsupportedModel(f"{kind}: {key}={act!r} is not supported (only {only!r})")
+    windows = _layer_windows(c)
+    theta, scaling, sliding_theta = _rope(c, windows)
     eos = c.get("eos_token_id", 2)
     return LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
         num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], head_dim=c.get("head_dim") or 0,
         rms_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=c.get("tie_word_embeddings", False), max_position=c.get("max_position_embeddings", 4096),
+        tie_word_embeddings=c.get("tie_word_embeddings", family.tied_by_default), max_position=c.get("max_position_embeddings", 4096),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=list(eos) if isinstance(eos, list) else [eos],
-        layer_windows=_layer_windows(c), **family_fields(kind))
+        layer_windows=windows, sliding_rope_theta=sliding_theta, attn_scale=_attn_scale(c), **family_fields(kind))
 
 
-def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
+def _attn_scale(c: dict[str, Any]) -> float:
+    """Gemma's `query_pre_attn_scalar` ** -0.5 (0: the usual head_dim ** -0.5)."""
+    scalar = c.get("query_pre_attn_scalar")
+    return float(scalar) ** -0.5 if scalar else 0.0
+
+
+def _rope(c: dict[str, Any], windows: tuple[int, ...]) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, the sliding layers' own theta or 0) from 5.x `rope_parameters` (one, or one per
+    layer type) or 4.x `rope_theta` + `rope_scaling` (+ Gemma's `rope_local_base_freq` for sliding layers)."""
     params = c.get("rope_parameters")
-    if params is not None and not isinstance(params.get("rope_theta", 0.0), (int, float)):
-        raise UnsupportedModel(f"rope_parameters per layer type ({', '.join(params)}) are not supported")
-    rope = dict(params or c.get("rope_scaling") or {})
+    sliding_theta = float(c.get("rope_local_base_freq") or 0.0)
+    if params is not None and any(isinstance(v, dict) for v in params.values()):
+        per_type = dict(params)
+        params = per_type.pop("full_attention", None)
+        local = per_type.pop("sliding_attention", None)
+        if params is None or per_type:
+            raise UnsupportedModel(f"rope_parameters per layer type ({', '.join(c['rope_parameters'])}) are "
+                                   "supported for full_attention and sliding_attention layers only")
+        if local is not None and any(windows):
+            theta, scaling = _one_rope(local, c)
+            if scaling is not None:
+                raise UnsupportedModel(f"sliding_attention rope type {scaling['rope_type']!r} is not supported "
+                                       "(only default)")
+            sliding_theta = theta
+    theta, scaling = _one_rope(params or c.get("rope_scaling") or {}, c)
+    own = sliding_theta and any(windows) and (sliding_theta != theta or scaling is not None)
+    return theta, scaling, (sliding_theta if own else 0.0)
+
+
+def _one_rope(params: dict[str, Any], c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    rope = dict(params)
     theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
@@ -84,6 +130,8 @@ def _layer_windows(c: dict[str, Any]) -> tuple[int, ...]:
         sliding = [t == "sliding_attention" for t in types]
     elif c.get("model_type") == "mistral":
         sliding = [True] * n
+    elif c.get("sliding_window_pattern"):  # Gemma 3 before layer_types: every pattern-th layer is global
+        sliding = [(i + 1) % c["sliding_window_pattern"] != 0 for i in range(n)]
     else:
         first = c.get("max_window_layers", n) if c.get("use_sliding_window") else n
         sliding = [i >= first for i in range(n)]
@@ -102,6 +150,8 @@ def expected_tensors(cfg: LlamaConfig) -> tuple[set[str], set[str]]:
         names |= {p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
                                                "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        if cfg.sandwich_norms:
+            names |= {p + n + ".weight" for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
         if cfg.qkv_bias:
             names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
         if cfg.qk_norm:

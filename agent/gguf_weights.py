@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp) as Hugging Face-named tensors and our config: architectures `llama`
-(Llama, Mistral), `qwen2` and `qwen3`. Every tensor type the gguf package dequantises is read
+(Llama, Mistral), `qwen2`, `qwen3` and `gemma3` (norm weights as llama.cpp stores them: 1 + w). Every tensor type the gguf package dequantises is read
 (F32, F16, BF16, Q8_0, the K-quants Q4_K, Q5_K, Q6_K...), to float32 at load; with ``int8``, Q8_0
 projection matrices are kept as their int8 rows (agent.quant.Int8Rows). Tensors and metadata that
 would change the math and are not implemented are refused by name (agent.families)."""
@@ -22,10 +22,16 @@ _LAYER = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3's four norms a layer: its ffn_norm is the MLP's input norm, and the outputs have their own.
+_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF architecture -> our family. llama.cpp permutes Llama's Q/K rows for its interleaved rope at
-# convert time (undone here); Qwen's it leaves in the rotate-half order.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# convert time (undone here); Qwen's and Gemma's it leaves in the rotate-half order.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the others sliding
+# with rope base 10000; the attention scale 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B (62 layers).
+GEMMA3_PATTERN, GEMMA3_SLIDING_THETA, GEMMA3_27B_LAYERS = 6, 10000.0, 62
 ROPE_SCALING = ("none", "linear")
 
 
@@ -62,13 +68,14 @@ def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, LazyW
     cfg = _config(meta, "output.weight" in by_name, n_vocab, bos.contents() if bos else None, int(eos),
                   None if factors is None else tuple(float(f) for f in _tensor(factors, False).reshape(-1)))
     unpermute = cfg.family == "llama"
+    layer_names = dict(_LAYER, **_SANDWICH) if cfg.sandwich_norms else _LAYER
     weights = LazyWeights()
     for name, t in by_name.items():
         parts = name.split(".")
-        if parts[0] == "blk" and parts[2] in _LAYER:
+        if parts[0] == "blk" and parts[2] in layer_names:
             rows = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(parts[2]) if unpermute else None
             rows = rows if parts[3] == "weight" else None
-            ours = f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+            ours = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
         elif parts[0] in _TOP and len(parts) == 2:
             rows, ours = None, f"{_TOP[parts[0]]}.{parts[1]}"
         else:
@@ -91,7 +98,15 @@ def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, e
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if a(key):
             raise UnsupportedModel(f"GGUF {arch}.{key} is not supported")
-    heads = a("attention.head_count")
+    heads, layers, window = a("attention.head_count"), a("block_count"), a("attention.sliding_window")
+    windows = (window,) * layers if window else ()
+    gemma = {}
+    if arch == "gemma3":
+        windows = tuple(window if s else 0 for s in gemma3_sliding(a("attention.sliding_window_pattern"), layers)) \
+            if window else ()
+        head_dim = a("attention.key_length") or a("embedding_length") // heads
+        scalar = a("embedding_length") // heads if layers == GEMMA3_27B_LAYERS else head_dim
+        gemma = dict(sliding_rope_theta=GEMMA3_SLIDING_THETA if window else 0.0, attn_scale=float(scalar) ** -0.5)
     return LlamaConfig(
         vocab_size=int(a("vocab_size") or n_vocab), hidden_size=a("embedding_length"),
         intermediate_size=a("feed_forward_length"), num_layers=a("block_count"), num_heads=heads,
@@ -99,8 +114,18 @@ def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, e
         rms_eps=a("attention.layer_norm_rms_epsilon"), rope_theta=a("rope.freq_base", 10000.0),
         rope_scaling={"rope_type": "linear", "factor": a("rope.scaling.factor")} if scaling == "linear" else None,
         rope_freq_factors=factors, tie_word_embeddings=not untied, max_position=a("context_length", 4096),
-        bos_token_id=bos, eos_token_ids=[eos], layer_windows=(a("attention.sliding_window"),) * a("block_count")
-        if a("attention.sliding_window") else (), **family_fields(ARCHITECTURES[arch]))
+        bos_token_id=bos, eos_token_ids=[eos], layer_windows=windows, **gemma, **family_fields(ARCHITECTURES[arch]))
+
+
+def gemma3_sliding(pattern: Any, layers: int) -> list[bool]:
+    """Which layers slide: `{arch}.attention.sliding_window_pattern` as one bool a layer or a period
+    (every period-th layer global); absent, llama.cpp's fixed period for gemma3."""
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise UnsupportedModel(f"GGUF sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+        return [bool(s) for s in pattern]
+    period = int(pattern or GEMMA3_PATTERN)
+    return [(i + 1) % period != 0 for i in range(layers)]
 
 
 def _unpermuted(reader: Any, t: Any, int8: bool, heads: int | None) -> Any:

@@ -57,16 +57,22 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ norms and element-wise parts
-class PlainNorms(nn.Cell):
-    """RMSNorm (its gain lives in the next weight), SwiGLU and the logits' log-sum-exp in MindSpore
-    primitives (any device)."""
+ACTIVATIONS = {"silu": 0.0, "gelu_tanh": 1.0}  # the gated MLP's activation, as the native kernels take it
 
-    def __init__(self, eps: float, inner: int):
+
+class PlainNorms(nn.Cell):
+    """RMSNorm (its gain lives in the next weight), SwiGLU or GeGLU, a gained RMSNorm (the norms on
+    the attention's and MLP's outputs) and the logits' log-sum-exp in MindSpore primitives (any device)."""
+
+    def __init__(self, eps: float, inner: int, activation: str):
         super().__init__()
-        self.eps, self.inner = eps, inner
+        self.eps, self.inner, self.gelu = eps, inner, ACTIVATIONS[activation] == 1.0
 
     def rms(self, x: Tensor) -> Tensor:
         return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps)
+
+    def rms_gain(self, x: Tensor, gain: Tensor) -> Tensor:
+        return self.rms(x) * gain
 
     def add_rms(self, x: Tensor, delta: Tensor) -> tuple:
         x = x + delta
@@ -74,7 +80,7 @@ class PlainNorms(nn.Cell):
 
     def swiglu(self, gu: Tensor) -> Tensor:
         gate, up = ops.split(gu, self.inner, 1)
-        return ops.silu(gate) * up
+        return (ops.gelu(gate, approximate="tanh") if self.gelu else ops.silu(gate)) * up
 
     def logsumexp(self, logits: Tensor) -> Tensor:
         peak = logits.max(-1, keepdims=True)
@@ -82,21 +88,26 @@ class PlainNorms(nn.Cell):
 
 
 class NativeNorms(nn.Cell):
-    """The same as one native op each (agent/kernels/fused.cpp): 4-5 MindSpore kernels fewer."""
+    """The same as one native op each (agent/kernels/fused.cpp): 4-5 MindSpore kernels fewer. `eps`
+    holds the norm constants the kernels take: [the RMSNorm's eps, the MLP's activation]."""
 
-    def __init__(self, eps: float, k: dict[str, Any]):
+    def __init__(self, eps: float, activation: str, k: dict[str, Any]):
         super().__init__()
-        self.eps = Tensor(np.array([eps], np.float32))
+        self.eps = Tensor(np.array([eps, ACTIVATIONS[activation]], np.float32))
         self.rms_op, self.add_rms_op, self.swiglu_op, self.lse_op = k["rms"], k["add_rms"], k["swiglu"], k["logsumexp"]
+        self.rms_gain_op = k["rms_gain"]
 
     def rms(self, x: Tensor) -> Tensor:
         return self.rms_op(x, self.eps)
+
+    def rms_gain(self, x: Tensor, gain: Tensor) -> Tensor:
+        return self.rms_gain_op(x, self.eps, gain)
 
     def add_rms(self, x: Tensor, delta: Tensor) -> tuple:
         return self.add_rms_op(x, delta, self.eps)
 
     def swiglu(self, gu: Tensor) -> Tensor:
-        return self.swiglu_op(gu)
+        return self.swiglu_op(gu, self.eps)
 
     def logsumexp(self, logits: Tensor) -> Tensor:
         return self.lse_op(logits)
@@ -246,7 +257,7 @@ class F32Linear(NativeLinear):
         return x, self.out(y)
 
     def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
-        return self.out(self.swiglu_op(gu, self.w0[i]))
+        return self.out(self.swiglu_op(gu, self.norms.eps, self.w0[i]))
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
                          v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
@@ -298,7 +309,7 @@ class Int8Linear(NativeLinear):
         return self.add_rms_op(x, delta, self.norms.eps, self.w0[i], self.w1[i], self.w2[i])
 
     def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
-        return self.swiglu_op(gu, self.w0[i], self.w1[i], self.w2[i])
+        return self.swiglu_op(gu, self.norms.eps, self.w0[i], self.w1[i], self.w2[i])
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
                          v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
@@ -412,7 +423,9 @@ class Backend:
         return -(-cfg.vocab_size // self.tp_size)
 
     def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
-        return NativeNorms(cfg.rms_eps, k) if self.lib else PlainNorms(cfg.rms_eps, cfg.intermediate_size)
+        if self.lib:
+            return NativeNorms(cfg.rms_eps, cfg.activation, k)
+        return PlainNorms(cfg.rms_eps, cfg.intermediate_size, cfg.activation)
 
     def attention(self, cfg: Any, block_size: int, k: dict[str, Any]) -> nn.Cell:
         return (NativeAttention if self.lib else PlainAttention)(cfg, block_size, k)

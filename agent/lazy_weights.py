@@ -24,6 +24,12 @@ class LazyWeights(Mapping):
         """A tensor's shape, without reading it where the source said it."""
         return self._shape[name] if name in self._shape else tuple(self[name].shape)
 
+    def transform(self, select: Callable[[str], bool], fn: Callable[[Any], Any]) -> None:
+        """Tensors whose names `select` picks are read through `fn`."""
+        for name, get in list(self._get.items()):
+            if select(name):
+                self._get[name] = lambda get=get: fn(get())
+
     def update(self, other: "LazyWeights") -> None:
         self._get.update(other._get)
         self._shape.update(other._shape)

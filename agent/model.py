@@ -17,7 +17,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from agent.layers import KV_DTYPES, Backend, LayerWeights, param, zeros_param
-from agent.projections import attention_prologues, embedding
+from agent.projections import embedding, layer_prologues, post_gain_offset
 from common.memory import kv_head_bytes
 
 
@@ -40,7 +40,13 @@ class LlamaConfig:
     family: str = "llama"  # agent.families: the family's name; what it adds to the Llama layer follows
     qkv_bias: bool = False  # biases on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
+    sandwich_norms: bool = False  # RMSNorm on the attention's and MLP's outputs too; the MLP's input norm is
+    # then `pre_feedforward_layernorm` (Gemma 3)
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    attn_scale: float = 0.0  # the attention's scale (0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); empty: no layer has one
+    sliding_rope_theta: float = 0.0  # the sliding layers' own rope base, unscaled (Gemma 3); 0: the global rope
     rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (GGUF `rope_freqs`: Llama 3's scaling)
 
     def __post_init__(self) -> None:
@@ -55,10 +61,22 @@ class LlamaConfig:
         """Layer `layer`'s sliding window in tokens (0: it sees its whole context)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    def rope_table(self, layer: int) -> int:
+        """Which of `rope_tables`' tables layer `layer` takes: 1 (the sliding layers' own) or 0."""
+        return int(bool(self.sliding_rope_theta and self.window(layer)))
 
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies, with Llama-3 style frequency scaling when configured."""
+    @property
+    def scale(self) -> float:
+        """The attention's scale on q.k."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+
+def rope_inv_freq(cfg: LlamaConfig, table: int = 0) -> np.ndarray:
+    """Inverse frequencies of rope table `table` (LlamaConfig.rope_table): the global one, with Llama-3
+    style or linear scaling when configured; 1: the sliding layers' own base, unscaled."""
     dim = cfg.head_dim
+    if table:
+        return 1.0 / (cfg.sliding_rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     sc = cfg.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type"))
@@ -82,8 +100,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
 
 
 def rope_tables(cfg: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables [max_position, head_dim] in the rotate-half (Hugging Face) layout."""
-    ang = np.outer(np.arange(cfg.max_position, dtype=np.float64), rope_inv_freq(cfg))
+    """cos/sin tables [tables x max_position, head_dim] in the rotate-half (Hugging Face) layout: the
+    global table, then (sliding_rope_theta) the sliding layers' own."""
+    tables = range(2 if cfg.sliding_rope_theta else 1)
+    ang = np.concatenate([np.outer(np.arange(cfg.max_position, dtype=np.float64), rope_inv_freq(cfg, t))
+                          for t in tables])
     ang = np.concatenate([ang, ang], axis=-1)
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
@@ -102,17 +123,19 @@ class LlamaModel(nn.Cell):
         k = backend.kernels(cfg)
         self.norms = backend.norms(cfg, k)
         self.attn = backend.attention(cfg, block_size, k)
-        attn_scale = 1.0 / math.sqrt(cfg.head_dim)
+        attn_scale = cfg.scale
         proj = backend.projections(cfg, weights, attn_scale, self.norms, k)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
         self.stack_op = backend.stack_op(cfg, k)  # every decoder layer in one op, or None: four a layer
         self.one_op_stack = self.stack_op is not None
-        prologues = LayerWeights("prologue", cfg.num_layers, self.one_op_stack)  # Q|K|V bias, q/k norms
-        for i, pro in enumerate(attention_prologues(cfg, weights, attn_scale)):
+        prologues = LayerWeights("prologue", cfg.num_layers, self.one_op_stack)  # agent.projections.layer_prologues
+        for i, pro in enumerate(layer_prologues(cfg, weights, attn_scale)):
             prologues.add(i, (pro,))
         self.prologue = prologues.parameters()[0]
-        self.embed = param("embed", embedding(weights).astype(np.float32))
+        self.post_gains = post_gain_offset(cfg)  # where a prologue's output-norm gains start (sandwich norms)
+        embed = embedding(weights).astype(np.float32)
+        self.embed = param("embed", embed * np.float32(math.sqrt(cfg.hidden_size)) if cfg.embed_scale else embed)
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
         row = kv_head_bytes(cfg.head_dim, backend.kv_dtype) // np.dtype(KV_DTYPES[backend.kv_dtype]).itemsize
@@ -167,11 +190,16 @@ class LlamaModel(nn.Cell):
         last layer's output."""
         qkv = self.qkv.linear(self.norms.rms(x), 0)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
+        h, g = self.cfg.hidden_size, self.post_gains
         for i in range(self.cfg.num_layers):
-            attn = self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i], self.v_cache[i],
-                                           self.prologue[i], i)
-            x, gu = self.gate_up.add_norm_linear(x, self.comm.reduce(attn), i)
+            attn = self.comm.reduce(self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i],
+                                                            self.v_cache[i], self.prologue[i], i))
+            if self.cfg.sandwich_norms:
+                attn = self.norms.rms_gain(attn, self.prologue[i][g:g + h])
+            x, gu = self.gate_up.add_norm_linear(x, attn, i)
             delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
+            if self.cfg.sandwich_norms:
+                delta = self.norms.rms_gain(delta, self.prologue[i][g + h:g + 2 * h])
             if i + 1 < self.cfg.num_layers:
                 x, qkv = self.qkv.add_norm_linear(x, delta, i + 1)
         return self.norms.add_rms(x, delta)[1]

@@ -2,7 +2,7 @@
 
 Fused: one matrix for Q|K|V and one for gate|up, so each is one GEMM. The attention scale is folded
 into the query rows (rope is linear), or into the q norm's gain where the family has one. Q|K|V
-biases and q/k norms go into each layer's attention prologue (`attention_prologues`). fp32: each RMSNorm gain is folded into the columns of the
+biases, q/k norms and the output norms' gains go into each layer's prologue (`layer_prologues`). fp32: each RMSNorm gain is folded into the columns of the
 matrix after it. int8: the gains stay apart (quantised weights keep their own values) and the
 kernel applies them where it quantises the activations, together with the smoothing factors of
 agent/calibrate (float weights only: a file's int8 rows are used as stored).
@@ -28,10 +28,12 @@ def _layer_mats(w: Weights, i: int) -> dict[str, list[Any]]:
             "down": [w[p + "mlp.down_proj.weight"]]}
 
 
-def _gains(w: Weights, i: int, width: int, inner: int) -> dict[str, np.ndarray]:
+def _gains(cfg: Any, w: Weights, i: int) -> dict[str, np.ndarray]:
+    """The gain of the norm before each projection (ones where none is)."""
     p = f"model.layers.{i}."
-    return {"qkv": w[p + "input_layernorm.weight"], "o": np.ones(width, np.float32),
-            "gate_up": w[p + "post_attention_layernorm.weight"], "down": np.ones(inner, np.float32)}
+    mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+    return {"qkv": w[p + "input_layernorm.weight"], "o": np.ones(cfg.num_heads * cfg.head_dim, np.float32),
+            "gate_up": w[p + mlp_norm + ".weight"], "down": np.ones(cfg.intermediate_size, np.float32)}
 
 
 def _float(m: Any) -> np.ndarray:
@@ -44,24 +46,39 @@ def row_scale(cfg: Any, attn_scale: float) -> float:
     return 1.0 if cfg.qk_norm else attn_scale
 
 
-def attention_prologues(cfg: Any, w: Weights, attn_scale: float) -> Iterator[np.ndarray]:
-    """Per layer, what agent/kernels/fused.cpp's RopeCache applies to Q|K|V before rope, as one
-    float32 array: the bias (zeros where the family has none; the query's scaled as its rows are),
-    the q and k heads' RMSNorm gains (the attention scale in q's) and that norm's eps (0: none);
-    then the layer's sliding window (0: none), which the attention reads."""
+PROLOGUE_SCALARS = 4  # after the gains: q/k norm eps, sliding window, rope table row offset and rows
+
+
+def post_gain_offset(cfg: Any) -> int:
+    """Where a layer prologue's output-norm gains start (agent/kernels/prologue.h)."""
+    return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 2 * cfg.head_dim + PROLOGUE_SCALARS
+
+
+def layer_prologues(cfg: Any, w: Weights, attn_scale: float) -> Iterator[np.ndarray]:
+    """Per layer, one float32 array (agent/kernels/prologue.h's layout) of what the layer adds to the
+    Llama layer: the Q|K|V bias that agent/kernels/fused.cpp's RopeCache adds before rope (zeros
+    where the family has none; the query's scaled as its rows are), the q and k heads' RMSNorm gains
+    (the attention scale in q's) and that norm's eps (0: none); the layer's sliding window (0:
+    none), which the attention reads; its rows of the stacked rope tables; then, for sandwich-norm
+    families, the gains of the norms on the attention's and the MLP's outputs."""
     hd, q_width = cfg.head_dim, cfg.num_heads * cfg.head_dim
     width = q_width + 2 * cfg.num_kv_heads * hd
+    start = post_gain_offset(cfg)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}.self_attn."
-        out = np.zeros(width + 2 * hd + 2, np.float32)
+        p = f"model.layers.{i}."
+        out = np.zeros(start + (2 * cfg.hidden_size if cfg.sandwich_norms else 0), np.float32)
         if cfg.qkv_bias:
-            out[:width] = np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"])
+            out[:width] = np.concatenate([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
             out[:q_width] *= row_scale(cfg, attn_scale)
         if cfg.qk_norm:
-            out[width:width + hd] = np.asarray(w[p + "q_norm.weight"], np.float32) * attn_scale
-            out[width + hd:width + 2 * hd] = w[p + "k_norm.weight"]
-            out[-2] = cfg.rms_eps
-        out[-1] = cfg.window(i)
+            out[width:width + hd] = np.asarray(w[p + "self_attn.q_norm.weight"], np.float32) * attn_scale
+            out[width + hd:width + 2 * hd] = w[p + "self_attn.k_norm.weight"]
+            out[width + 2 * hd] = cfg.rms_eps
+        table = cfg.rope_table(i)
+        out[width + 2 * hd + 1:start] = cfg.window(i), table * cfg.max_position, cfg.max_position
+        if cfg.sandwich_norms:
+            out[start:] = np.concatenate([w[p + n + ".weight"] for n in ("post_attention_layernorm",
+                                                                          "post_feedforward_layernorm")])
         yield out
 
 
@@ -70,7 +87,7 @@ def fp32_projections(cfg: Any, w: Weights, attn_scale: float) -> Iterator[dict[s
     [out, in] float32 matrix, gains and attention scale folded in."""
     attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
-        gains = _gains(w, i, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+        gains = _gains(cfg, w, i)
         out = {}
         for name, parts in _layer_mats(w, i).items():
             mat = np.concatenate([_float(m) for m in parts], axis=0)
@@ -101,7 +118,7 @@ def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, 
     (agent.quant.group_for)."""
     attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
-        gains = _gains(w, i, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+        gains = _gains(cfg, w, i)
         out = {}
         for name, parts in _layer_mats(w, i).items():
             rows, factor = _int8(parts, gains[name], ranges[name][i] if ranges else None, group)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from agent.families import check_tensors, hf_config
+from agent.families import FAMILIES, check_tensors, hf_config
 from agent.gguf_weights import load_gguf
 from agent.lazy_weights import LazyWeights, Weights
 from agent.model import LlamaConfig
@@ -91,6 +91,9 @@ def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
     for shard in shards:
         weights.update(read_safetensors(shard))
     check_tensors(cfg, weights, files.path.name)
+    offset = FAMILIES[cfg.family].norm_offset  # Gemma's norms scale by (1 + w)
+    if offset:
+        weights.transform(lambda name: name.endswith("norm.weight"), lambda a: a + np.float32(offset))
     return cfg, weights
 
 
@@ -128,7 +131,7 @@ def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
         elif parts[:2] == ["model", "layers"] and key in _MF_LAYER:
             ours = f"model.layers.{parts[2]}.{_MF_LAYER[key]}.{parts[-1]}"
         else:
-            continue
+            ours = f"(mindformers) {name}"  # reported by check_tensors as unread
         weights.add(ours, lambda p=param: p.asnumpy().astype(np.float32), tuple(param.shape))
     intermediate = weights.shape("model.layers.0.mlp.gate_proj.weight")[0]
     cfg = LlamaConfig(
@@ -138,4 +141,5 @@ def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
         tie_word_embeddings="lm_head.weight" not in weights,
         max_position=mc.get("seq_length", 4096), bos_token_id=mc.get("bos_token_id", 1),
         eos_token_ids=[mc.get("eos_token_id", 2)])
+    check_tensors(cfg, weights, Path(files.path).name)
     return cfg, weights

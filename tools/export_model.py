@@ -19,6 +19,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 
 import numpy as np
@@ -128,11 +129,36 @@ def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtyp
         "add_bos_token": tok.add_bos, "chat_template": tok.chat_template}, indent=1))
 
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+
+
+def _gemma3_keys(writer: Any, cfg: LlamaConfig) -> None:
+    """Gemma 3's sliding layers as llama.cpp reads them: one window, which layers slide (written only
+    where they differ from llama.cpp's fixed every-6th-global), rope base 10000 on sliding layers and
+    attention scale 1/sqrt(head_dim), which GGUF cannot state otherwise: refused."""
+    from agent.gguf_weights import GEMMA3_SLIDING_THETA, gemma3_sliding
+
+    if abs(cfg.scale - cfg.head_dim ** -0.5) > 1e-9 * cfg.scale:
+        raise ValueError(f"query_pre_attn_scalar {cfg.scale ** -2:g} != head_dim {cfg.head_dim}: a gemma3 GGUF "
+                         "cannot state it")
+    windows = set(cfg.layer_windows) - {0}
+    if not windows:
+        return
+    if len(windows) != 1:
+        raise ValueError(f"sliding windows per layer {cfg.layer_windows}: a gemma3 GGUF holds one")
+    if cfg.rope_table(next(i for i, w in enumerate(cfg.layer_windows) if w)) != 1 and (
+            cfg.rope_theta != GEMMA3_SLIDING_THETA or cfg.rope_scaling):
+        raise ValueError("gemma3 GGUF's sliding layers take rope base 10000, unscaled")
+    if cfg.sliding_rope_theta not in (0.0, GEMMA3_SLIDING_THETA):
+        raise ValueError(f"sliding rope base {cfg.sliding_rope_theta:g}: a gemma3 GGUF's is 10000")
+    writer.add_sliding_window(windows.pop())
+    sliding = [bool(w) for w in cfg.layer_windows]
+    if sliding != gemma3_sliding(None, cfg.num_layers):
+        writer.add_sliding_window_pattern(sliding)
 
 
 def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtype: str) -> None:
-    """A GGUF of the model's architecture (llama for Llama and Mistral, qwen2, qwen3: f32, f16 or
+    """A GGUF of the model's architecture (llama for Llama and Mistral, qwen2, qwen3, gemma3: f32, f16 or
     q8_0 matrices; norms and biases stay f32, as llama.cpp's converter does), tensors named by the
     gguf package's own map (llama.cpp's), with the tokenizer fields copied from `tokenizer_gguf`."""
     import gguf
@@ -173,7 +199,9 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, d
     names = [k for k in w if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     q8 = gguf.GGMLQuantizationType.Q8_0
 
-    if cfg.layer_windows:  # GGUF has one window for every layer (`{arch}.attention.sliding_window`)
+    if arch == "gemma3":
+        _gemma3_keys(writer, cfg)
+    elif cfg.layer_windows:  # GGUF has one window for every layer (`{arch}.attention.sliding_window`)
         if len(set(cfg.layer_windows)) != 1:
             raise ValueError(f"sliding windows per layer {cfg.layer_windows}: a {arch} GGUF holds one for all layers")
         writer.add_sliding_window(cfg.layer_windows[0])

@@ -38,6 +38,18 @@ FAMILIES = {
     "mistral-window": ("MistralConfig", dict(sliding_window=8), dict(rope_type="default", rope_theta=10000.0)),
     "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
                      dict(rope_type="default", rope_theta=10000.0)),
+    # a sliding layer (window 8, its own rope base) then a global one (linear scaling); the attention
+    # scale from query_pre_attn_scalar, not head_dim
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"]),
+               {"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
+    # as a gemma3 GGUF can hold it (the attention scale from head_dim), two sliding layers to a global one
+    "gemma3-pattern": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                                                num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + [
+                                                    "full_attention"]),
+                       {"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+                        "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
 }
 
 
@@ -48,7 +60,10 @@ def config(name: str, major: int):
     kwargs = dict(SHAPE, **extra)
     if major >= 5:
         kwargs["rope_parameters"] = rope
-    else:  # 4.x: theta at the top, scaling (if any) apart
+    else:  # 4.x: theta at the top, scaling (if any) apart; Gemma's sliding layers' base apart
+        if "full_attention" in rope:
+            kwargs["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+            rope = rope["full_attention"]
         rope = dict(rope)
         kwargs["rope_theta"] = rope.pop("rope_theta")
         if rope["rope_type"] != "default":
@@ -64,6 +79,7 @@ def randomise(model, seed: int) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    gemma = model.config.model_type.startswith("gemma")  # norms scale by 1 + w; embeddings by sqrt(hidden)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if p.dim() == 2:
@@ -72,8 +88,9 @@ def randomise(model, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:  # a norm's gain
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-        model.model.embed_tokens.weight.mul_(8.0)  # embeddings ~N(0, 1), as trained ones are, not 1/8
+                p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+        if not gemma:
+            model.model.embed_tokens.weight.mul_(8.0)  # embeddings ~N(0, 1), as trained ones are, not 1/8
 
 
 def golden(model) -> dict[str, np.ndarray]:

@@ -150,7 +150,7 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
     """The kernels as MindSpore AOT custom ops, by name: the projections (fp32, bf16 or f16 weight
     blocks; int8), alone or fused with what feeds them: the norm, SwiGLU, or the layer's attention
     (rope writing the step's keys and values into the cache, then paged attention reading it by
-    slot); every decoder layer as one op; RMSNorm / SwiGLU each as one op instead of 4-5; the tensor-parallel collectives over
+    slot); every decoder layer as one op; RMSNorm / SwiGLU / a gained RMSNorm each as one op instead of 4-5; the tensor-parallel collectives over
     shared memory (`tp_size` ranks)."""
     from mindspore import ops
 
@@ -168,13 +168,14 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
     return {
         "linear_blocks": custom("LinearBlocks", lambda x, w: [x[0], w[0] * w[2]], same),
         "add_rms_linear": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[0] * w[2]]), pair),
-        "swiglu_linear": custom("SwiGluLinear", lambda gu, w: [gu[0], w[0] * w[2]], same),
+        "swiglu_linear": custom("SwiGluLinear", lambda gu, c, w: [gu[0], w[0] * w[2]], same),
         "linear_i8": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
         "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
-        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, w, *_: [gu[0], w[0]], same),
+        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, c, w, *_: [gu[0], w[0]], same),
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
-        "swiglu": custom("SwiGlu", lambda gu: [gu[0], gu[1] // 2], same),
+        "swiglu": custom("SwiGlu", lambda gu, c: [gu[0], gu[1] // 2], same),
+        "rms_gain": custom("RmsGain", same, same),
         "logsumexp": custom("LogSumExp", lambda x: [x[0]], same),
         # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, prologue, the weights
         "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[9][0] * a[9][2]],

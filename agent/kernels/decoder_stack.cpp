@@ -15,6 +15,9 @@
 #include <vector>
 
 #include "buffers.h"
+#include "kv_rows.h"
+#include "prologue.h"
+#include "rows.h"
 
 namespace {
 
@@ -39,8 +42,10 @@ struct Args {
 };
 
 // Inputs, in order: x [n, H]; cos and sin tables, positions, slots, context slots, token rows (the
-// attention's shared inputs); eps [1]; the key caches [L, S, kv, hd]; the value caches; the
-// attention prologues (fused.cpp's RopeCache: Q|K|V bias, q/k norm gains and eps) [L, P]; then the
+// attention's shared inputs); the norm constants [eps, activation]; the key caches [L, S, kv, hd];
+// the value caches; the layer prologues (prologue.h: Q|K|V bias, q/k norm gains and eps, window,
+// rope table; where P has room for them, the gains of the norms on the attention's and the MLP's
+// outputs, applied before each residual add) [L, P]; then the
 // weights of Q|K|V, o, gate|up and down, `per` inputs each, every layer's stacked [L, ...] (`per`:
 // 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g). Output: the final RMSNorm of
 // the last layer's output [n, H] (its gain is folded into the LM head).
@@ -94,6 +99,11 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   if (!st.valid(inputs) || ndims[st.weight(0, 0)] != (per == 1 ? 4 : 3)) return 1;
   const int64_t padded = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
   if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
+  const int64_t hd = kernels::cache_head_dim(shapes[K_CACHE][3], dtypes[K_CACHE]);
+  const int64_t pro_len = shapes[PROLOGUE][1], post_gains = kernels::prologue::length(nqkv, hd);
+  const bool sandwich = pro_len == kernels::prologue::sandwich_length(nqkv, hd, h);
+  if (!sandwich && pro_len != post_gains) return 1;
+  const float eps = static_cast<const float *>(params[EPS])[0];
   // The step's tokens up to its bucket are padding after the real ones, each writing slot 0 (block 0
   // is reserved for them; agent/runner.py refuses real tokens there). Only the real ones are
   // computed: the padding's rows of the output are zeros (no sampled row reads them). A step pads
@@ -130,6 +140,9 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
     st.weights(a, 1, i);
     a.add(f32(attn), 2, hs, "float32");
     if (int rc = a.run(attention_linear, stream, extra)) return rc;
+    const float *gains = static_cast<const float *>(params[PROLOGUE]) + i * pro_len + post_gains;
+    if (sandwich)
+      for (int64_t r = 0; r < n; ++r) kernels::rms_gain_row(attn.data() + r * h, h, eps, gains);
 
     Args b;  // x + attention, its norm, gate|up
     b.add(f32(x), 2, hs, "float32");
@@ -140,11 +153,14 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
     b.add(f32(gu), 2, gs, "float32");
     if (int rc = b.run(add_rms_linear, stream, extra)) return rc;
 
-    Args c;  // SwiGLU, down
+    Args c;  // SwiGLU or GeGLU, down
     c.add(f32(gu), 2, gs, "float32");
+    c.take(params, ndims, shapes, dtypes, EPS);
     st.weights(c, 3, i);
     c.add(f32(delta), 2, hs, "float32");
     if (int rc = c.run(swiglu_linear, stream, extra)) return rc;
+    if (sandwich)
+      for (int64_t r = 0; r < n; ++r) kernels::rms_gain_row(delta.data() + r * h, h, eps, gains + h);
 
     Args d;  // + MLP, its norm, and the next layer's Q|K|V or (last layer) the op's output
     d.add(f32(mid), 2, hs, "float32");

@@ -9,6 +9,7 @@
 
 #include "kv_rows.h"
 #include "parallel.h"
+#include "prologue.h"
 #include "rows.h"
 
 namespace {
@@ -37,14 +38,30 @@ extern "C" int RmsNorm(int nparam, void **params, int *ndims, int64_t **shapes, 
   return 0;
 }
 
-// silu(gate) * up from the fused gate|up projection. Input: gu [n, 2f]. Output: [n, f].
+// act(gate) * up from the fused gate|up projection. Inputs: gu [n, 2f], the norm constants [eps,
+// activation (0 SiLU, 1 GELU-tanh)]. Output: [n, f].
 extern "C" int SwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                       void *extra) {
-  if (nparam != 2 || !f32(dtypes[0])) return 1;
+  if (nparam != 3 || !f32(dtypes[0]) || !f32(dtypes[1]) || shapes[1][0] < 2) return 1;
   const float *gu = static_cast<const float *>(params[0]);
-  float *y = static_cast<float *>(params[1]);
+  const float act = static_cast<const float *>(params[1])[1];
+  float *y = static_cast<float *>(params[2]);
   const int64_t n = shapes[0][0], f = shapes[0][1] / 2;
-  for (int64_t r = 0; r < n; ++r) kernels::swiglu_row(gu + r * 2 * f, f, y + r * f);
+  for (int64_t r = 0; r < n; ++r) kernels::gated_row(gu + r * 2 * f, f, y + r * f, act);
+  return 0;
+}
+
+// x * rsqrt(mean(x^2) + eps) * gain per row (Gemma's norms on the attention's and MLP's outputs,
+// where no stack op applies them). Inputs: x [n, d], the norm constants [eps, ...], gain [d].
+// Output: [n, d].
+extern "C" int RmsGain(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                       void *extra) {
+  if (nparam != 4 || !f32(dtypes[0]) || !f32(dtypes[1]) || !f32(dtypes[2]) || shapes[2][0] != shapes[0][1]) return 1;
+  const int64_t n = shapes[0][0], d = shapes[0][1];
+  const float eps = static_cast<const float *>(params[1])[0];
+  float *y = static_cast<float *>(params[3]);
+  std::memcpy(y, params[0], n * d * sizeof(float));
+  for (int64_t r = 0; r < n; ++r) kernels::rms_gain_row(y + r * d, d, eps, static_cast<const float *>(params[2]));
   return 0;
 }
 
@@ -90,15 +107,20 @@ int rope(void **params, int64_t **shapes) {
   T *kc = static_cast<T *>(params[5]), *vc = static_cast<T *>(params[6]);
   const float *pre = static_cast<const float *>(params[7]);
   float *q = static_cast<float *>(params[8]);
-  const int64_t n = shapes[0][0], width = shapes[0][1], max_pos = shapes[1][0], cache_slots = shapes[5][0];
+  namespace pl = kernels::prologue;
+  const int64_t n = shapes[0][0], width = shapes[0][1], table_rows = shapes[1][0], cache_slots = shapes[5][0];
   const int64_t kv = shapes[5][1], row = shapes[5][2], hd = row - kernels::SCALE_BYTES<T>, half = hd / 2;
   const int64_t qw = shapes[8][1], kw = kv * hd;
-  if (hd <= 0 || qw + 2 * kw != width || shapes[7][0] != width + 2 * hd + 2) return 1;
-  const float *q_gain = pre + width, *k_gain = q_gain + hd, qk_eps = pre[width + 2 * hd];
+  if (hd <= 0 || qw + 2 * kw != width || shapes[7][0] < pl::length(width, hd)) return 1;
+  const float *q_gain = pre + width, *k_gain = q_gain + hd, *scalar = pre + pl::scalars(width, hd);
+  const float qk_eps = scalar[pl::QK_EPS];
+  const int64_t rope_offset = static_cast<int64_t>(scalar[pl::ROPE_OFFSET]);
+  const int64_t max_pos = static_cast<int64_t>(scalar[pl::ROPE_ROWS]);
+  if (rope_offset < 0 || max_pos < 1 || rope_offset + max_pos > table_rows) return 1;
   std::vector<float> roped(hd), biased(width);
   for (int64_t r = 0; r < n; ++r) {
     if (slots[r] < 0 || slots[r] >= cache_slots) return 1;
-    const int64_t p = std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
+    const int64_t p = rope_offset + std::min<int64_t>(std::max<int32_t>(pos[r], 0), max_pos - 1);
     const float *c = cos + p * hd, *s = sin + p * hd, *src = biased.data();
     for (int64_t i = 0; i < width; ++i) biased[i] = qkv[r * width + i] + pre[i];  // the Q|K|V bias (or zeros)
     if (qk_eps > 0.f) {
@@ -130,12 +152,13 @@ int rope(void **params, int64_t **shapes) {
 // Rotary embedding (rotate-half layout) on the query and key heads of the fused Q|K|V projection,
 // and the step's new keys and values written straight into the KV cache at their slots: one op
 // instead of rope, split and two scatters (the op is marked as writing memory, so MindSpore orders
-// the cache's later reads after it). Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables
-// [max_position, hd], positions [n], slots [n] int32, k_cache/v_cache [S, kv, hd] (float32, uint16
-// bfloat16 bits or float16) or [S, kv, hd + 4] (int8 and a scale per head; written in place), the
-// layer's prologue [(h + 2 kv) * hd + 2 hd + 2]: the Q|K|V bias (zeros where the family has none), the
-// q and k heads' RMSNorm gains and that norm's eps (0: no q/k norm), applied before rope, then the
-// layer's sliding window (0: none; RopeAttention's, read by PagedAttention).
+// the cache's later reads after it). Inputs: qkv [n, (h + 2 kv) * hd], cos/sin tables [rope tables x
+// max_position, hd] (one table per rope base: Gemma 3's sliding layers have their own), positions
+// [n], slots [n] int32, k_cache/v_cache [S, kv, hd] (float32, uint16 bfloat16 bits or float16) or
+// [S, kv, hd + 4] (int8 and a scale per head; written in place), the layer's prologue (prologue.h):
+// the Q|K|V bias, the q and k heads' RMSNorm gains and that norm's eps (0: no q/k norm), applied
+// before rope; the layer's sliding window (0: none; RopeAttention's, read by PagedAttention); which
+// rows of the tables are the layer's.
 // Output: q [n, h * hd] float32.
 extern "C" int RopeCache(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                          void *extra) {
@@ -184,7 +207,8 @@ extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **sh
                        "float32"};
   if (int rc = RopeCache(9, rp, rd, rs, rt, stream, extra)) return rc;
   const float *pro = static_cast<const float *>(params[9]);
-  int32_t window = static_cast<int32_t>(pro[shapes[9][0] - 1]);
+  const int64_t hd = kernels::cache_head_dim(shapes[5][2], dtypes[5]);
+  int32_t window = static_cast<int32_t>(pro[kernels::prologue::scalars(shapes[0][1], hd) + kernels::prologue::WINDOW]);
   int64_t one = 1;
   void *ap[8] = {q.data(), params[5], params[6], params[7], params[8], params[3], &window, params[10]};
   int ad[8] = {2, ndims[5], ndims[6], ndims[7], ndims[8], ndims[3], 1, ndims[10]};

@@ -42,19 +42,21 @@ extern "C" int AddRmsLinear(int nparam, void **params, int *ndims, int64_t **sha
   return project(hp, m, k, params[3], dtypes[3], ndims[3], shapes[3], static_cast<float *>(params[5]));
 }
 
-// Inputs: gu [M, 2K] (gate | up), w. Output: y = (silu(gate) * up) @ w [M, N].
+// Inputs: gu [M, 2K] (gate | up), the norm constants [eps, activation (0 SiLU, 1 GELU-tanh)], w.
+// Output: y = (act(gate) * up) @ w [M, N].
 extern "C" int SwiGluLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
-  if (nparam != 3 || std::strcmp(dtypes[0], "float32")) return 1;
+  if (nparam != 4 || std::strcmp(dtypes[0], "float32") || shapes[1][0] < 2) return 1;
   const int64_t m = shapes[0][0], k = shapes[0][1] / 2;
   const float *gu = static_cast<const float *>(params[0]);
+  const float act = static_cast<const float *>(params[1])[1];
   thread_local std::vector<float> h;
   h.resize(m * k);
   float *hp = h.data();
   kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) kernels::swiglu_row(gu + r * 2 * k, k, hp + r * k);
+    for (int64_t r = b; r < e; ++r) kernels::gated_row(gu + r * 2 * k, k, hp + r * k, act);
   });
-  return project(hp, m, k, params[1], dtypes[1], ndims[1], shapes[1], static_cast<float *>(params[2]));
+  return project(hp, m, k, params[2], dtypes[2], ndims[2], shapes[2], static_cast<float *>(params[3]));
 }
 
 extern "C" int RopeAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,

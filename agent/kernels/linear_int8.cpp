@@ -590,18 +590,21 @@ extern "C" int AddRmsLinearInt8(int nparam, void **params, int *ndims, int64_t *
   return 0;
 }
 
-// SwiGLU (fused.cpp's SwiGlu) feeding the down projection. Inputs: gu [M, 2K] (gate | up), qw, sw, g.
-// Output: y = (silu(gate) * up) @ w^T [M, N].
+// SwiGLU or GeGLU (fused.cpp's SwiGlu) feeding the down projection. Inputs: gu [M, 2K] (gate | up),
+// the norm constants [eps, activation], qw, sw, g. Output: y = (act(gate) * up) @ w^T [M, N].
 extern "C" int SwiGluLinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                 void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1] / 2;
   Shape s;
   int64_t n;
-  if (nparam != 5 || std::strcmp(dtypes[0], "float32") || !weight_shape(nparam, 1, shapes, dtypes, k, &s, &n)) return 1;
+  if (nparam != 6 || std::strcmp(dtypes[0], "float32") || shapes[1][0] < 2 ||
+      !weight_shape(nparam, 2, shapes, dtypes, k, &s, &n))
+    return 1;
   const float *gu = static_cast<const float *>(params[0]);
-  gemm(m, k, static_cast<const int8_t *>(params[1]), static_cast<const float *>(params[2]),
-       static_cast<const float *>(params[3]), s, n, static_cast<float *>(params[4]), [&](int64_t i, float *buf) {
-         kernels::swiglu_row(gu + i * 2 * k, k, buf);
+  const float act = static_cast<const float *>(params[1])[1];
+  gemm(m, k, static_cast<const int8_t *>(params[2]), static_cast<const float *>(params[3]),
+       static_cast<const float *>(params[4]), s, n, static_cast<float *>(params[5]), [&](int64_t i, float *buf) {
+         kernels::gated_row(gu + i * 2 * k, k, buf, act);
          return static_cast<const float *>(buf);
        });
   return 0;

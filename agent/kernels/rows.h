@@ -56,4 +56,38 @@ inline void swiglu_row(const float *gu, int64_t f, float *y) {
   for (; i < f; ++i) y[i] = gu[i] / (1.f + std::exp(-gu[i])) * up[i];
 }
 
+// y = gelu_tanh(gate) * up (GeGLU, Gemma). gelu_tanh(x) = x (1 + tanh(u)) / 2 with
+// u = sqrt(2 / pi) (x + 0.044715 x^3), which is x * sigmoid(2u): SwiGLU's loop with 2u for x.
+inline void geglu_row(const float *gu, int64_t f, float *y) {
+  const float *up = gu + f;
+  constexpr float c = 1.5957691216057308f, c3 = 0.044715f * 1.5957691216057308f;  // 2 sqrt(2 / pi) (1, 0.044715)
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f), vc = _mm256_set1_ps(-c), vc3 = _mm256_set1_ps(-c3);
+  for (; i + 8 <= f; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + i);
+    const __m256 minus_2u = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), vc3, vc));
+    const __m256 e = exp8(minus_2u);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < f; ++i) y[i] = gu[i] / (1.f + std::exp(-gu[i] * (c + c3 * gu[i] * gu[i]))) * up[i];
+}
+
+// The gated MLP's activation, as the model's norm constants name it (1: GeGLU, else SwiGLU).
+inline void gated_row(const float *gu, int64_t f, float *y, float activation) {
+  if (activation == 1.f)
+    geglu_row(gu, f, y);
+  else
+    swiglu_row(gu, f, y);
+}
+
+// x = rms(x) * gain in place (Gemma's norms on the attention's and the MLP's outputs).
+inline void rms_gain_row(float *x, int64_t d, float eps, const float *gain) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float scale = 1.f / std::sqrt(ss / d + eps);
+  for (int64_t i = 0; i < d; ++i) x[i] = x[i] * scale * gain[i];
+}
+
 }  // namespace kernels

@@ -89,13 +89,13 @@ def test_float32_matches_transformers(folder):
     compare(runner_for(folder), folder, "float32")
 
 
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "qwen2-window-tf5"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "qwen2-window-tf5", "gemma3-tf5"])
 def test_plain_mindspore_path_matches_transformers(folder):
     compare(runner_for(folder, native=False), folder, "float32")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "mistral-window-tf5"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "mistral-window-tf5", "gemma3-tf5"])
 def test_reduced_precision_within_its_tolerance(folder, dtype):
     compare(runner_for(folder, dtype), folder, dtype)
 
@@ -124,7 +124,7 @@ def byte_tokenizer_gguf(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("folder, gguf_dtype, dtype", [
     ("llama3-tf5", "f32", "float32"), ("llama-linear-tf5", "f32", "float32"), ("qwen2-tf5", "f32", "float32"),
     ("qwen3-tf5", "f32", "float32"), ("mistral-window-tf5", "f32", "float32"), ("qwen2-tf5", "q8_0", "int8"),
-    ("qwen3-tf5", "q8_0", "int8")])
+    ("qwen3-tf5", "q8_0", "int8"), ("gemma3-pattern-tf5", "f32", "float32"), ("gemma3-pattern-tf5", "q8_0", "int8")])
 def test_gguf_of_the_same_weights_matches_transformers(folder, gguf_dtype, dtype, tmp_path, byte_tokenizer_gguf):
     """The fixture written as GGUF the way llama.cpp's converter names and lays out tensors (the
     gguf package's name map; Llama's Q/K rows permuted, Llama 3's scaling as `rope_freqs`, linear
@@ -165,6 +165,16 @@ def _edited(tmp_path: Path, folder: str, extra_tensors: dict | None = None, **co
     ("llama-tf5", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     ("qwen3-tf5", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
     ("qwen2-tf5", dict(layer_types=["full_attention", "chunked_attention"]), "layer_types .* are not supported"),
+    ("gemma3-tf5", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True is not supported"),
+    ("gemma3-tf5", dict(hidden_activation="gelu"), "hidden_activation='gelu' is not supported"),
+    ("gemma3-tf5", dict(model_type="gemma3"), "model_type 'gemma3' is not supported .*gemma3_text"),
+    ("gemma3-tf5", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 1e4}}),
+     "sliding_attention rope type 'linear' is not supported"),
+    ("gemma3-tf5", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "chunked_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "rope_parameters per layer type"),
 ])
 def test_what_would_be_served_wrong_is_refused_by_name(tmp_path, folder, edit, message):
     from agent.families import UnsupportedModel
@@ -216,3 +226,14 @@ def test_sliding_windows_read_from_either_layout():
     assert _layer_windows(dict(base, model_type="mistral", sliding_window=None)) == ()
     assert _layer_windows(dict(base, model_type="qwen2", use_sliding_window=True, max_window_layers=2)) == (0, 0, 8)
     assert _layer_windows(dict(base, model_type="qwen2", use_sliding_window=False)) == ()
+    # Gemma 3 before layer_types: every pattern-th layer global
+    assert _layer_windows(dict(base, model_type="gemma3_text", sliding_window_pattern=2)) == (8, 0, 8)
+
+
+def test_a_gemma3_gguf_reads_which_layers_slide():
+    """llama.cpp fixes gemma3's pattern (every 6th layer global) unless the file lists the layers."""
+    from agent.gguf_weights import gemma3_sliding
+
+    assert gemma3_sliding(None, 7) == [True] * 5 + [False, True]
+    assert gemma3_sliding(3, 3) == [True, True, False]
+    assert gemma3_sliding([True, False], 2) == [True, False]

@@ -150,7 +150,8 @@ def test_float16_cache_saturates_instead_of_overflowing():
     cos, sin = np.ones((4, hd), np.float32), np.zeros((4, hd), np.float32)
     kc, vc = np.zeros((2, 1, hd), np.float16), np.zeros((2, 1, hd), np.float16)
     q = np.zeros((1, hd), np.float32)
-    pro = np.zeros(3 * hd + 2 * hd + 2, np.float32)  # no bias, no q/k norm, no window
+    pro = np.zeros(3 * hd + 2 * hd + 4, np.float32)  # no bias, no q/k norm, no window
+    pro[-1] = 4  # rope: the tables' 4 rows (agent/kernels/prologue.h)
     assert _call(lib, "RopeCache", [qkv, cos, sin, np.zeros(1, np.int32), np.ones(1, np.int32), kc, vc, pro, q]) == 0
     assert kc[1, 0, :3].tolist() == [65504, -65504, 1.5] and vc[1, 0, :3].tolist() == [-65504, 65504, 2.0]
 

@@ -164,7 +164,7 @@ def test_plain_mindspore_ranks_use_mindspore_communication(one_rank, tiny_weight
         assert np.abs(np.array(got) - want).max() <= TP_TOL
 
 
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "gemma3-tf5"])
 def test_two_ranks_match_one_rank_for_each_family(folder, tmp_path):
     """Q|K|V biases split with their columns, q/k norms whole on every rank (transformers' fixtures,
     tests/agent/test_families.py)."""
