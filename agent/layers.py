@@ -437,16 +437,16 @@ class Backend:
         return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
 
     def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
-                    k: dict[str, Any]) -> dict[str, Projection]:
-        """qkv, o, gate_up, down and head, converted one layer at a time (a large model never holds a
-        second full copy)."""
+                    k: dict[str, Any], embed: np.ndarray | None = None) -> dict[str, Projection]:
+        """qkv, o, gate_up, down and head (from `embed` when tied and given), converted one layer at a
+        time (a large model never holds a second full copy)."""
         cls = self.projection_cls
         stacked = self.one_op(cfg)
         kinds = {name: LayerWeights(name, cfg.num_layers, stacked) for name in LAYER_KINDS}
         for i, layer in enumerate(self._prepared(cfg, w, attn_scale)):
             for name, prep in layer.items():
                 kinds[name].add(i, cls.stored(prep))
-        head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group)
+        head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group, embed)
         kinds["head"] = LayerWeights("head", 1, False)
         # int8 applies the final norm's gain where it quantises; float weights fold it into the head
         kinds["head"].add(0, cls.stored((head, gain) if self.dtype == "int8" else head * gain[None, :]))

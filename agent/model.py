@@ -124,7 +124,8 @@ class LlamaModel(nn.Cell):
         self.norms = backend.norms(cfg, k)
         self.attn = backend.attention(cfg, block_size, k)
         attn_scale = cfg.scale
-        proj = backend.projections(cfg, weights, attn_scale, self.norms, k)
+        embed = embedding(weights).astype(np.float32, copy=False)
+        proj = backend.projections(cfg, weights, attn_scale, self.norms, k, embed if cfg.tie_word_embeddings else None)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
         self.stack_op = backend.stack_op(cfg, k)  # every decoder layer in one op, or None: four a layer
@@ -134,7 +135,6 @@ class LlamaModel(nn.Cell):
             prologues.add(i, (pro,))
         self.prologue = prologues.parameters()[0]
         self.post_gains = post_gain_offset(cfg)  # where a prologue's output-norm gains start (sandwich norms)
-        embed = embedding(weights).astype(np.float32)
         self.embed = param("embed", embed * np.float32(math.sqrt(cfg.hidden_size)) if cfg.embed_scale else embed)
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)

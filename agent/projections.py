@@ -129,12 +129,13 @@ def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, 
 
 
 def lm_head(cfg: Any, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]] | None = None,
-            group: int = QUANT_GROUP_SIZE) -> tuple[Any, np.ndarray]:
-    """The output projection [vocab, hidden] (the embedding when tied) and its input factor (the
-    final norm gain; with int8, over the smoothing factor)."""
+            group: int = QUANT_GROUP_SIZE, embed: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
+    """The output projection [vocab, hidden] (the embedding when tied: `embed` where the caller has it
+    read, a 262k vocabulary's is seconds to dequantise) and its input factor (the final norm gain;
+    with int8, over the smoothing factor)."""
     head = w.get("lm_head.weight")
     if head is None or cfg.tie_word_embeddings:
-        head = w["model.embed_tokens.weight"]
+        head = embed if embed is not None else w["model.embed_tokens.weight"]
     gain = np.asarray(w["model.norm.weight"], np.float32)
     if not int8:
         return _float(head), gain

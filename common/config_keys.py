@@ -127,7 +127,7 @@ KEYS: list[Key] = [
         here="same: the checkpoint named by `load_checkpoint` (a `.ckpt`, or a folder with one) is loaded. A missing "
              "yaml, key or checkpoint stops the start with a line naming it, never another model"),
     Key(M, "model_path", "model_path", str,
-        here="a `.gguf`, a Hugging Face folder, a MindFormers `.ckpt` (with `model_cfg_path`), or `smollm2`; when "
+        here="a `.gguf`, a Hugging Face folder, a MindFormers `.ckpt` (with `model_cfg_path`), or a packaged model (`smollm2`, `gemma3-270m`); when "
              "neither this nor `model_cfg_path` is set, SmolLM2-135M-Instruct"),
     Key(M, "max_generate_length", "max_generate_length", as_int, lambda v: v >= 2, ">= 2",
         "cap on prompt + output tokens", "same: a request ends with `length` there (and the context is "

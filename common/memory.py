@@ -73,18 +73,19 @@ def _llama_ffn(hidden: int, multiple_of: int, multiplier: float | None) -> int:
 
 
 def _gguf_shape(path: Path) -> ModelShape:
-    import gguf
+    from common.gguf_file import GgufFile
 
-    reader = gguf.GGUFReader(str(path))
-    f = reader.fields
+    f = GgufFile(path).meta
+    arch = f["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
-        return f[key].contents() if key in f else default
+        return f.get(f"{arch}.{key}", default)
 
-    hidden, heads = get("llama.embedding_length"), get("llama.attention.head_count")
-    vocab = get("llama.vocab_size") or len(f["tokenizer.ggml.tokens"].data)
-    return ModelShape(vocab, hidden, get("llama.feed_forward_length"), get("llama.block_count"), heads,
-                      get("llama.attention.head_count_kv", heads), hidden // heads, get("llama.context_length", 4096))
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    vocab = get("vocab_size") or len(f["tokenizer.ggml.tokens"])
+    return ModelShape(vocab, hidden, get("feed_forward_length"), get("block_count"), heads,
+                      get("attention.head_count_kv", heads), get("attention.key_length") or hidden // heads,
+                      get("context_length", 4096))
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:

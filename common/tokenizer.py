@@ -10,6 +10,7 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from common.model_files import ModelFiles
+from common.gguf_file import GgufFile
 from common.sentencepiece import BPE, CONTROL, SpmVocab, read_model_file, spm_tokenizer
 
 # GGUF `tokenizer.ggml.pre` -> digit handling in front of the GPT-2 byte-level split.
@@ -109,25 +110,22 @@ def _from_file(path: Path, folder: Path) -> TextTokenizer:
 
 
 def _from_gguf(path: Path) -> TextTokenizer:
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
-    f = r.fields
-    kind = f["tokenizer.ggml.model"].contents()
-    tokens = f["tokenizer.ggml.tokens"].contents()
-    types = f["tokenizer.ggml.token_type"].contents()
+    f = GgufFile(path).meta
+    kind = f["tokenizer.ggml.model"]
+    tokens = f["tokenizer.ggml.tokens"]
+    types = f["tokenizer.ggml.token_type"]
     if kind == "llama":  # SentencePiece (Llama 1/2, Mistral...): llama.cpp adds BOS by default
-        flag = lambda key, default: bool(f[key].contents()) if key in f else default  # noqa: E731
-        tok = spm_tokenizer(SpmVocab(tokens, list(f["tokenizer.ggml.scores"].contents()), list(types), BPE,
+        flag = lambda key, default: bool(f[key]) if key in f else default  # noqa: E731
+        tok = spm_tokenizer(SpmVocab(tokens, list(f["tokenizer.ggml.scores"]), list(types), BPE,
                                      flag("tokenizer.ggml.add_space_prefix", True),
                                      flag("tokenizer.ggml.remove_extra_whitespaces", False)))
     elif kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"].contents()]
+        merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"]]
         vocab = {t: i for i, t in enumerate(tokens)}
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         pre = f.get("tokenizer.ggml.pre")
-        if pre is not None and pre.contents() in _INDIVIDUAL_DIGITS:
+        if pre is not None and pre in _INDIVIDUAL_DIGITS:
             tok.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"), byte_level])
         else:
@@ -140,7 +138,5 @@ def _from_gguf(path: Path) -> TextTokenizer:
     bos = f.get("tokenizer.ggml.bos_token_id")
     add_bos = f.get("tokenizer.ggml.add_bos_token")
     tmpl = f.get("tokenizer.chat_template")
-    return TextTokenizer(tok, [int(f["tokenizer.ggml.eos_token_id"].contents())],
-                         int(bos.contents()) if bos else None,
-                         bool(add_bos.contents()) if add_bos else kind == "llama",
-                         tmpl.contents() if tmpl else None, special)
+    return TextTokenizer(tok, [int(f["tokenizer.ggml.eos_token_id"])], int(bos) if bos is not None else None,
+                         bool(add_bos) if add_bos is not None else kind == "llama", tmpl, special)

@@ -10,6 +10,10 @@ Run by hand in a separate venv (CI never installs torch):
 
 transformers 5.x writes `rope_parameters`; 4.x (`pip install 'transformers<5'`) writes top-level
 `rope_theta` / `rope_scaling`: each run names its folders by the layout it wrote (`-tf5`, `-tf4`).
+
+A real GGUF (transformers' own GGUF reader: `pip install gguf accelerate` too): `--gguf FILE --out
+X.npz` keeps, for a few text prompts, transformers' token ids, its greedy continuation and each
+position's top logits (a 262k vocabulary's full rows would be megabytes).
 """
 from __future__ import annotations
 
@@ -110,6 +114,33 @@ def golden(model) -> dict[str, np.ndarray]:
     return out
 
 
+TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village"]
+TOP = 16
+
+
+def gguf_golden(path: Path, new_tokens: int = 16) -> dict[str, np.ndarray]:
+    """transformers on a GGUF file: per text prompt its ids (its tokenizer), the greedy continuation,
+    and at every position from the last prompt token the top logits (ids, values) and log-sum-exp."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    out = {}
+    for i, text in enumerate(TEXT_PROMPTS):
+        ids = tok(text)["input_ids"]
+        n = len(ids)
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = model(torch.tensor([ids])).logits[0, n - 1:]
+        top = torch.topk(logits, TOP, -1)
+        out.update({f"ids{i}": np.asarray(ids, np.int32), f"prompt_len{i}": np.int32(n),
+                    f"top_ids{i}": top.indices.numpy().astype(np.int32), f"top{i}": top.values.numpy(),
+                    f"lse{i}": torch.logsumexp(logits, -1).numpy()})
+    return out
+
+
 def main() -> None:
     import torch
     import transformers
@@ -118,7 +149,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("tests/fixtures/families"))
     ap.add_argument("--only", default="", help="comma-separated family names")
+    ap.add_argument("--gguf", type=Path, help="a real model's GGUF file: its golden .npz to --out")
     args = ap.parse_args()
+    if args.gguf:
+        np.savez_compressed(args.out, **gguf_golden(args.gguf), transformers=transformers.__version__)
+        return
     major = int(transformers.__version__.split(".")[0])
     torch.manual_seed(0)
     for seed, name in enumerate(FAMILIES):

