@@ -233,6 +233,8 @@ def agent_process(config_path: str | None, index: int, overrides: dict[str, Any]
     logging.basicConfig(level=os.environ.get("LLM_SERVING_LOG", "INFO"),
                         format=f"%(asctime)s agent{index} %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_once)
+    if not os.path.isfile(sys.argv[0]):  # a spawn of `python -c` (pytest-xdist's workers): MindSpore's compile
+        sys.argv[0] = __file__  # cache reads the entry script, named by sys.argv[0] when mindspore is imported
     from common.config import load_config
 
     cfg = load_config(config_path, **overrides)

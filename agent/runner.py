@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,8 +104,6 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int 
         digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
-        if not os.path.isfile(sys.argv[0]):  # MindSpore's cache reads the entry script: a `python -c` has none
-            sys.argv[0] = str(Path(__file__).with_name("main.py"))
     ms.set_context(mode=ms.GRAPH_MODE)
     device = os.environ.get("LLM_SERVING_DEVICE", "CPU")
     ms.set_device(device, device_id)

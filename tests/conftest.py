@@ -69,12 +69,23 @@ def tiny_model_dir(tmp_path_factory, tiny_weights) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32_eval() -> dict:
+def smollm2_fp32_eval(tmp_path_factory) -> dict:
     """SmolLM2's float32 perplexity and greedy continuations (tools/eval_quant.py): the reference the
-    int8 and 16-bit accuracy tests compare with, computed once per session (~25 s)."""
+    int8 and 16-bit accuracy tests compare with, computed once per session (~25 s), shared by
+    pytest-xdist's workers through a file in their common temporary folder."""
+    import pickle
+
+    from filelock import FileLock
+
     from tools.eval_quant import evaluate
 
-    return evaluate("smollm2", "float32", 4)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return evaluate("smollm2", "float32", 4)
+    path = tmp_path_factory.getbasetemp().parent / "smollm2_fp32_eval.pkl"
+    with FileLock(f"{path}.lock"):
+        if not path.is_file():
+            path.write_bytes(pickle.dumps(evaluate("smollm2", "float32", 4)))
+        return pickle.loads(path.read_bytes())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

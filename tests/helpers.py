@@ -25,13 +25,15 @@ def free_port() -> int:
 
 
 def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -> Path:
-    """A serving YAML for the tiny test model; `serving`/`pa_*` keys override defaults."""
+    """A serving YAML for the tiny test model; `serving`, `pa_config` and bucket keys override defaults
+    (fewer buckets: fewer graphs to build before ready)."""
     pa = {"num_blocks": serving.pop("num_blocks", 128), "block_size": serving.pop("block_size", 4),
           "decode_seq_length": serving.pop("decode_seq_length", 128)}
+    buckets = {"seq_length": serving.pop("seq_length", [16, 32]),
+               "decode_batch_size": serving.pop("decode_batch_size", [1, 4, 8])}
     doc = {
         "model_config": {"model_name": "tiny", "model_path": str(model_dir), "max_generate_length": 128,
-                         "seq_length": [16, 32], "decode_batch_size": [1, 4, 8], "prefill_batch_size": [2],
-                         "zactivate_len": [64]},
+                         **buckets, "prefill_batch_size": [2], "zactivate_len": [64]},
         "serving_config": {"agent_ports": [free_port() for _ in range(n_agents)], "server_ip": "127.0.0.1",
                            "server_port": free_port(), "compile_cache_dir": str(tmp / "mscache"), **serving},
         "pa_config": pa,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from agent.tensor_parallel import SEGMENT_DIR, create_segment
+from shm.arena import segment_name
 from tests.agent.test_model_runner import PROMPTS
 from tests.conftest import tiny_model_config
 from tests.helpers import ROOT, free_port
@@ -87,7 +88,7 @@ def _shape(folder: str) -> tuple[int, int]:
 def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", native: bool = True) -> list[dict]:
     """Every rank of a `size`-way group as its own process (one rank alone for size 1); without the
     native kernels, with mindspore.communication's scheduler as one more process."""
-    segment = f"llmserving-test-tp-{uuid.uuid4().hex[:8]}"
+    segment = segment_name(f"tp-test-{uuid.uuid4().hex[:8]}")  # ours, by this pid: no other test reads it
     helpers = []
     if not native:
         segment = str(free_port())

@@ -60,9 +60,10 @@ def test_two_ranks_serve_one_rank_s_greedy_text(tmp_path, tiny_model_dir, tiny_w
 def test_without_native_kernels_the_ranks_meet_through_mindspore_communication(tmp_path, tiny_model_dir,
                                                                                one_rank_ids):
     """LLM_SERVING_NATIVE=0 (as on other devices): plain MindSpore ops, mccl collectives, the
-    launcher's scheduler process; the same greedy text."""
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2),
-                        env={"LLM_SERVING_NATIVE": "0"})
+    launcher's scheduler process; the same greedy text. One decode and one prefill bucket: each
+    plain-path graph with collectives takes seconds to build."""
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2, seq_length=[16],
+                                    decode_batch_size=[1]), env={"LLM_SERVING_NATIVE": "0"})
     try:
         assert _ids(srv.url, PROMPTS[1]) == one_rank_ids[PROMPTS[1]]
     finally:
