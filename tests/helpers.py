@@ -111,9 +111,10 @@ _HF_TO_MF = {"input_layernorm": "attention_norm", "post_attention_layernorm": "f
              "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
 
 
-def save_mindformers(tmp: Path, weights: dict) -> tuple[Path, Path]:
-    """The tiny model as a MindFormers checkpoint (MindFormers parameter names) and model yaml whose
-    load_checkpoint names it, as the original's model_cfg_path expects."""
+def save_mindformers(tmp: Path, weights: dict, extra: dict | None = None) -> tuple[Path, Path]:
+    """The tiny model as a MindFormers checkpoint (MindFormers parameter names; `extra`: more
+    parameters as named) and model yaml whose load_checkpoint names it, as the original's
+    model_cfg_path expects."""
     import mindspore as ms
 
     from tests.conftest import TINY
@@ -130,6 +131,7 @@ def save_mindformers(tmp: Path, weights: dict) -> tuple[Path, Path]:
             parts = name.split(".")
             mf = f"model.layers.{parts[2]}.{_HF_TO_MF['.'.join(parts[3:-1])]}.weight"
         params.append({"name": mf, "data": ms.Tensor(arr)})
+    params += [{"name": name, "data": ms.Tensor(arr)} for name, arr in (extra or {}).items()]
     ckpt = tmp / "llama.ckpt"
     ms.save_checkpoint(params, str(ckpt))
     cfg_yaml = tmp / "predict_llama_tiny.yaml"

@@ -23,6 +23,18 @@ def test_mindformers_checkpoint_loads_by_name_mapping(tmp_path, tiny_weights):
     assert all(np.array_equal(w[k], tiny_weights[k]) for k in w)
 
 
+def test_a_mindformers_tensor_nothing_reads_is_refused_by_name(tmp_path, tiny_weights):
+    """A bias (or any parameter) MindFormers names and no layer here reads: refused, not skipped."""
+    from agent.families import UnsupportedModel
+    from tests.helpers import save_mindformers
+
+    for name, shown in (("model.layers.0.attention.wq.bias", "model.layers.0.self_attn.q_proj.bias"),
+                        ("model.freqs_mgr.scale", r"\(mindformers\) model.freqs_mgr.scale")):
+        ckpt, cfg_yaml = save_mindformers(tmp_path, tiny_weights, {name: np.ones(64, np.float32)})
+        with pytest.raises(UnsupportedModel, match=f"no llama layer reads .*{shown}"):
+            load_model(ModelFiles("mindformers", ckpt, cfg_yaml))
+
+
 def test_safetensors_bf16_and_hf_config(tmp_path, tiny_model_dir, tiny_weights):
     w = read_safetensors(tiny_model_dir / "model.safetensors")
     assert all(np.array_equal(w[k], tiny_weights[k]) for k in w)
