@@ -59,6 +59,14 @@ class RunnerConfig:
         if self.token_buckets[0] < 1 or self.max_running < 1:
             raise ValueError("token buckets and max_running must be positive")
 
+    @classmethod
+    def from_serving(cls, cfg: Any, tp: Group = Group()) -> "RunnerConfig":
+        """The runner of a serving config (common.config.ServingConfig) on tensor-parallel rank `tp`."""
+        return cls(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+                   token_buckets=cfg.token_buckets, max_running=cfg.max_running, mixed_tokens=cfg.mixed_step_tokens,
+                   prefill_rows=cfg.max_prefill_rows, model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                   int8_group=cfg.quant_group_size, tp=tp)
+
     @property
     def width(self) -> int:
         """Block-table columns: fixed, so no graph depends on context length."""
@@ -98,9 +106,7 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int 
     import mindspore as ms
 
     if cache_dir:
-        src = b"".join(Path(__file__).with_name(f).read_bytes()
-                       for f in ("model.py", "layers.py", "attention.py", "projections.py", "runner.py",
-                                                                "tensor_parallel.py"))
+        src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))  # all of agent/
         digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)

@@ -39,6 +39,21 @@ class Group:
     def parallel(self) -> bool:
         return self.size > 1
 
+    @classmethod
+    def from_link(cls, link: str | None, index: int, size: int, hidden: int, vocab: int, max_tokens: int,
+                  max_rows: int) -> "Group":
+        """Agent `index`'s rank (index % size) of its replica's group, meeting where the launcher's
+        `link` says: "shm:<segment>" (the native collectives) or "ms:<scheduler port>"."""
+        if size == 1:
+            return cls()
+        kind, _, where = (link or "").partition(":")
+        if kind == "shm":
+            return cls(index % size, size, where, slot_floats(hidden, vocab, max_tokens, max_rows, size))
+        if kind == "ms":
+            return cls(index % size, size, sched_port=int(where))
+        raise ValueError("tensor_parallel_size > 1: start the group with launch_agents or llm-serving "
+                         "(they make where its ranks meet)")
+
 
 def slot_floats(hidden: int, vocab: int, max_tokens: int, max_rows: int, size: int) -> int:
     """The largest collective of a step: a step's activations [tokens, hidden], or one rank's

@@ -77,6 +77,7 @@ class ServingConfig:
     max_model_len: int = 2048  # decode_seq_length
     # tokenizer
     tokenizer_path: str | None = None
+    chat_template: str | None = None  # a Jinja chat template or a file holding one; None: the model's own
     compile_cache_dir: str = ".cache/mindspore"
     source: Path | None = None
     notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)

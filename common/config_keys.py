@@ -8,10 +8,10 @@ unknown key: the server and `launch_agents` print them as warnings at start.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.memory import parse_bytes
 
 FLOAT32 = ("float32", "fp32", "datatype.float32", "mstype.float32")
 INT8 = ("int8", "w8a8", "datatype.int8", "mstype.int8")
@@ -32,6 +32,22 @@ def as_bool(value: Any) -> bool:
     if str(value).strip().lower() in ("true", "false"):
         return str(value).strip().lower() == "true"
     raise ValueError(value)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(value: Any) -> int:
+    """A byte count: an integer, or a string such as "8GiB", "512 MiB", "20G" (G = GiB, as vLLM's)."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(value)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def as_int(value: Any) -> int:
@@ -273,9 +289,12 @@ KEYS: list[Key] = [
         here="a SentencePiece `tokenizer.model` or a `tokenizer.json`; its vocabulary must fit the model's (a llama2 "
              "tokenizer in front of another model stops the start)"),
     Key(T, "type", None, original="tokenizer class", ignored="the tokenizer is read from vocab_file or the model's own files"),
+    Key(T, "chat_template", "chat_template", str,
+        here="ours: a Jinja chat template, or a file holding one, used instead of the model's own (as vLLM's "
+             "`--chat-template`); a model without one (Gemma 3 270M's GGUF: configs/gemma3-270m.yaml) otherwise "
+             "chats as `role: content` lines"),
 ]
 
-HONOURED = {s: {k.key for k in KEYS if k.section == s and k.ignored is None} for s in SECTIONS}
 
 
 def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:

@@ -6,11 +6,11 @@ from the memory left. Pure Python (the server uses it; it never imports MindSpor
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from common.config import ConfigError
 from common.model_files import ModelFiles, mindformers_yaml
 
 GiB = 1 << 30
@@ -18,8 +18,6 @@ GiB = 1 << 30
 # on SmolLM2 and on a 200 MB model: 400 MiB RSS after `import mindspore`, ~150 MiB more for graphs).
 RUNTIME_BYTES = 600 << 20
 AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -32,12 +30,6 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     max_position: int = 4096
-
-    @property
-    def layer_params(self) -> int:
-        """Projection weights of one layer: Q|K|V, O, gate|up, down."""
-        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim * self.hidden
-        return qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.inter
 
     def rank(self, tp: int) -> "ModelShape":
         """One tensor-parallel rank's share (agent/tensor_parallel.py): its heads, KV heads (at least
@@ -103,18 +95,6 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> 
     if kv_cache_dtype == "auto":
         return {"bfloat16": "bfloat16", "float16": "float16", "int8": "int8"}.get(model_dtype, "float32")
     return kv_cache_dtype
-
-
-def parse_bytes(value: Any) -> int:
-    """A byte count: an integer, or a string such as "8GiB", "512 MiB", "20G" (G = GiB, as vLLM's)."""
-    if isinstance(value, bool):
-        raise ValueError(value)
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(value)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
@@ -220,8 +200,6 @@ def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available:
     blocks = int(max(budget, 0) // per_block)
     need = cfg.max_blocks_per_seq + 1
     if blocks < need:
-        from common.config import ConfigError
-
         raise ConfigError(f"pa_config.num_blocks auto: {gib(max(budget, 0))} of KV space holds {blocks} blocks of "
                           f"{per_block >> 10} KiB; one sequence of decode_seq_length {cfg.max_model_len} needs {need} "
                           f"({gib(need * per_block)}): set serving_config.kv_cache_memory, or use less memory elsewhere")

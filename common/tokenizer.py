@@ -71,9 +71,19 @@ class TextTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
 
 
-def load_tokenizer(files: ModelFiles, tokenizer_path: str | None = None) -> TextTokenizer:
+def load_tokenizer(files: ModelFiles, tokenizer_path: str | None = None,
+                   chat_template: str | None = None) -> TextTokenizer:
     """`tokenizer_path` (the original config's `vocab_file`) may name a tokenizer.json or a
-    SentencePiece tokenizer.model; otherwise the model's own vocabulary is used."""
+    SentencePiece tokenizer.model; otherwise the model's own vocabulary is used. `chat_template`: a
+    Jinja template or a file holding one, instead of the model's own."""
+    tok = _load(files, tokenizer_path)
+    if chat_template:
+        path = Path(chat_template).expanduser()
+        tok.chat_template = path.read_text() if "{" not in chat_template and path.is_file() else chat_template
+    return tok
+
+
+def _load(files: ModelFiles, tokenizer_path: str | None) -> TextTokenizer:
     if tokenizer_path:
         return _from_file(Path(tokenizer_path), Path(tokenizer_path).parent)
     if files.kind == "gguf":

@@ -142,7 +142,7 @@ def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[st
     share. Raises one of START_ERRORS."""
     procs: list = []
     try:
-        tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
+        tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path, cfg.chat_template)
         if not attach:
             procs = start_agents(cfg, config_path, overrides)
         clients = connect_agents(cfg, reset=reset, wait_s=wait_s)

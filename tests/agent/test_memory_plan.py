@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from common.config import ConfigError, load_config
-from common.memory import GiB, ModelShape, kv_block_bytes, parse_bytes, weight_bytes
+from common.config_keys import parse_bytes
+from common.memory import GiB, ModelShape, kv_block_bytes, weight_bytes
 from tests.conftest import TINY
 from tests.helpers import ROOT, ServerProcess, tiny_config
 
