@@ -24,21 +24,14 @@ import yaml
 
 
 from common.cpu import describe
+from tools import server_process
 from tools.bench_serving import random_dataset, run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_server(config: str, extra: list[str], log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/llm-serving"), "--config", config, *extra], cwd=ROOT,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 900
-    while "llm-serving ready" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start:\n{log.read_text()[-2000:]}")
-        time.sleep(0.5)
-    return proc
+    return server_process.start_server(["--config", config, *extra], log)
 
 
 def decode_overhead(steps: list[dict[str, Any]]) -> dict[str, float]:

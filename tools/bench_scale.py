@@ -23,6 +23,7 @@ import httpx
 import yaml
 
 from common.cpu import describe, read_bandwidth
+from tools import server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,19 +81,16 @@ def main(argv: list[str] | None = None) -> int:
 
     log = config.with_suffix(".log")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(config)], cwd=ROOT,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    peak, ready = 0, None
+    peaks = [0]
+    try:
+        proc = server_process.start_server(["--config", str(config)], log,
+                                           while_waiting=lambda p: peaks.append(tree_rss(p.pid)))
+    except RuntimeError as e:
+        print(e)
+        return 1
+    peak, ready = max(peaks), time.monotonic() - t0
     url = f"http://127.0.0.1:{args.port}"
     try:
-        while ready is None:
-            if proc.poll() is not None:
-                print(log.read_text()[-3000:])
-                return 1
-            peak = max(peak, tree_rss(proc.pid))
-            if "llm-serving ready" in log.read_text():
-                ready = time.monotonic() - t0
-            time.sleep(0.5)
         stats = httpx.get(f"{url}/stats", timeout=30).json()
         weights = stats["memory"][0]["weight_bytes"]
         sampler = threading.Event()

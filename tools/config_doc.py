@@ -1,5 +1,5 @@
 """Rewrite docs/config.md's key tables from the config table (common/config_keys.py KEYS):
-`python -m tools.config_doc` (tests/unit/test_server_units.py checks the doc is up to date)."""
+`python -m tools.config_doc` (tests/unit/test_config.py checks the doc is up to date)."""
 from __future__ import annotations
 
 import re

@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tools import server_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,14 +40,10 @@ def agent_pids(server_pid: int) -> list[int]:
 def start_server(config: Path, log: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
     doc = yaml.safe_load(config.read_text())
     url = f"http://127.0.0.1:{doc['serving_config']['server_port']}"
-    proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(config)], cwd=ROOT,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while "llm-serving ready" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"server did not start; see {log}")
-        time.sleep(0.5)
+    try:
+        proc = server_process.start_server(["--config", str(config)], log, timeout_s)
+    except RuntimeError:
+        sys.exit(f"server did not start; see {log}")
     return proc, url
 
 

@@ -14,13 +14,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tools import bench_serving
+from tools import bench_serving, server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,14 +31,7 @@ def serve(config: Path, budget: int, log: Path) -> tuple[subprocess.Popen, str]:
     sc["prefill_only_tokens"] = max(budget, int(sc.get("prefill_only_tokens") or 0))
     path = Path(tempfile.mkdtemp()) / f"budget{budget}.yaml"
     path.write_text(yaml.safe_dump(doc))
-    proc = subprocess.Popen([sys.executable, "-m", "llm_serving.serve", "--config", str(path)], cwd=ROOT,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while "llm-serving ready" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server for budget {budget} did not start; see {log}")
-        time.sleep(0.5)
+    proc = server_process.start_server(["--config", str(path)], log, session=False)
     return proc, f"http://{sc.get('server_ip', '127.0.0.1')}:{sc.get('server_port', 8835)}"
 
 

@@ -134,7 +134,7 @@ class Engine:
                     self.stepper.poll(lane, min(limit, wait) if wait > 0 else limit)
                 self.supervisor.expire_overdue(time.monotonic())
                 self.out.flush()
-                self._update_gauges()
+                self.metrics.observe_lanes(self.lanes)
         except Exception as exc:  # a bug: fail everything rather than leave requests hanging
             log.exception("engine loop crashed")
             self.fatal = f"engine crashed: {exc}"
@@ -183,11 +183,3 @@ class Engine:
             return
         self.metrics.prompt_tokens.inc(len(req.prompt))
         self.supervisor.assign(req, lanes)
-
-    def _update_gauges(self) -> None:
-        m = self.metrics
-        m.running.set(sum(len(lane.sched.running) for lane in self.lanes))
-        m.waiting.set(sum(len(lane.sched.waiting) for lane in self.lanes))
-        m.agents_alive.set(sum(lane.live for lane in self.lanes))
-        for lane in self.lanes:
-            m.kv_usage.labels(str(lane.index)).set(lane.sched.blocks.usage())

@@ -1,6 +1,8 @@
 """Prometheus metrics (own registry, so several engines in one process do not clash)."""
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -38,3 +40,11 @@ class Metrics:
         self.graph_compiles = Counter("llm_serving_graph_compiles", "Model graphs built by the agents (warm-up "
                                       "included; none after ready)", registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)
+
+    def observe_lanes(self, lanes: list[Any]) -> None:
+        """The gauges, from the agent lanes (server.engine.lane.AgentLane) as they are now."""
+        self.running.set(sum(len(lane.sched.running) for lane in lanes))
+        self.waiting.set(sum(len(lane.sched.waiting) for lane in lanes))
+        self.agents_alive.set(sum(lane.live for lane in lanes))
+        for lane in lanes:
+            self.kv_usage.labels(str(lane.index)).set(lane.sched.blocks.usage())

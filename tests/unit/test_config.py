@@ -1,0 +1,104 @@
+"""The serving YAML: every key one row of the table, unknown and unhonoured keys named, the original's
+YAMLs read, the shipped configs clean, the vocabulary checks."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from common.config import ServingConfig
+from tests.helpers import ROOT
+
+
+def test_vocab_checks_allow_padding_and_refuse_another_model():
+    from llm_serving.boot import vocab_mismatch
+
+    cfg = ServingConfig()
+    assert vocab_mismatch(cfg, 151665, 151936) is None  # Qwen2: embedding padded past the tokenizer
+    assert vocab_mismatch(cfg, 260, 272) is None
+    assert "the tokenizer has 32000 ids, the model 49152" in vocab_mismatch(cfg, 32000, 49152)  # llama2 on SmolLM2
+    cfg.vocab_size = 32000
+    assert "model_config.vocab_size is 32000, the model has 49152" in vocab_mismatch(cfg, 49152, 49152)
+
+
+def test_unknown_and_unhonoured_config_keys_are_named(tmp_path):
+    from common.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model_config:\n  batching_strategy: static\n  model_dtype: float8\n  mystery: 1\n"
+                    "serving_config:\n  decode_batch_waiting_time: 0.5\nextra_section: {}\n")
+    notes = load_config(path).notices
+    assert any("unknown key model_config.mystery" in n for n in notes)
+    assert any("unknown section 'extra_section'" in n for n in notes)
+    assert any("batching_strategy 'static'" in n for n in notes)
+    assert any("model_dtype 'float8'" in n for n in notes)
+    assert any("decode steps never wait" in n for n in notes)
+    assert load_config(path).model_dtype == "float32"
+
+
+@pytest.mark.parametrize("value,dtype", [("DataType.INT8", "int8"), ("int8", "int8"), ("w8a8", "int8"),
+                                         ("DataType.FLOAT32", "float32"), ("float8", "float32"),
+                                         ("DataType.BFLOAT16", "bfloat16"), ("bf16", "bfloat16"),
+                                         ("DataType.FLOAT16", "float16")])
+def test_model_dtype_spellings(tmp_path, value, dtype):
+    from common.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model_config:\n  model_dtype: {value}\n")
+    cfg = load_config(path)
+    assert cfg.model_dtype == dtype
+    assert any("model_dtype" in n for n in cfg.notices) == (value == "float8")
+    with pytest.raises(ValueError, match="quant_group_size"):
+        load_config(path, quant_group_size=2)
+
+
+def test_config_doc_is_the_config_table():
+    """docs/config.md's key tables are generated from common/config_keys.py (python -m tools.config_doc)."""
+    from common.config_keys import IGNORED_SECTIONS, KEYS
+    from tools.config_doc import DOC, render
+
+    doc = DOC.read_text()
+    assert render(doc) == doc, "docs/config.md is stale: run python -m tools.config_doc"
+    assert all(f"| `{k.key}` |" in doc for k in KEYS) and all(f"`{s}`" in doc for s in IGNORED_SECTIONS)
+
+
+def test_a_config_key_is_one_row_of_the_table(tmp_path):
+    """Loading, the range check and the notices all follow the table: a row's reader, check and
+    ignored reason are what a YAML gets."""
+    from common.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model_config:\n  zactivate_len: [512]\n  seq_length: 64\npa_config:\n  decode_seq_length: 64\n"
+                    "serving_config:\n  kv_cache_memory: 1GiB\n  warmup: 'False'\n")
+    cfg = load_config(path)
+    assert (cfg.prefill_buckets, cfg.max_model_len, cfg.kv_cache_memory, cfg.num_blocks, cfg.warmup) == \
+        ([64], 64, 1 << 30, 0, False)
+    assert any(n.startswith("model_config.zactivate_len: ignored") for n in cfg.notices)
+    path.write_text("serving_config:\n  agent_hosts: localhost\n")
+    with pytest.raises(ConfigError, match="agent_hosts = 'localhost': must be a list of hosts"):
+        load_config(path)
+
+
+def test_an_original_ge_yaml_is_served_as_its_ranks_or_refused(tmp_path):
+    """The GE backend's `model_path` section (MindIR graphs per rank, one per port) maps to that many
+    tensor-parallel ranks of the model's weights; without weights it is refused, never another model."""
+    from common.config import ConfigError, load_config
+
+    ge = {"model_path": {"prefill_model": [f"/g/prefill_rank{r}.mindir" for r in range(4)],
+                         "decode_model": [f"/g/decode_rank{r}.mindir" for r in range(4)]},
+          "serving_config": {"agent_ports": [61166, 61167, 61168, 61169]}}
+    path = tmp_path / "ge.yaml"
+    path.write_text(yaml.safe_dump({**ge, "model_config": {"model_cfg_path": "/m/predict_llama2_70b.yaml"}}))
+    cfg = load_config(path)
+    assert cfg.groups == [[0, 1, 2, 3]] and not any("unknown section" in n for n in cfg.notices)
+    path.write_text(yaml.safe_dump({**ge, "model_config": {"model_name": "llama_70b"}}))
+    with pytest.raises(ConfigError, match="MindIR graphs cannot be served here"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="must divide the 3 agent_ports"):
+        load_config(None, agent_ports=[1, 2, 3], tensor_parallel_size=2)
+
+
+def test_shipped_configs_need_no_warning():
+
+    from common.config import load_config
+
+    assert load_config(ROOT / "configs/smollm2.yaml").notices == []
