@@ -297,11 +297,16 @@ class ModelRunner:
         a compile under traffic stalls its step for seconds. Graphs load from the on-disk cache when
         it is warm; none is ever built after this."""
         shapes = self.rc.graph_shapes()
+        every = max(1, len(shapes) // 4)  # progress in a few lines (each graph's own at DEBUG)
+        start = time.monotonic()
         for i, (t, r, s) in enumerate(shapes, 1):
             t0 = time.monotonic()
             z = np.zeros(t, np.int32)
             self._run(z, z, z, np.full(t, r - 1, np.int32), np.zeros((r, self.rc.width), np.int32),
                       np.zeros(s, np.int32), compile_only=True)
-            log.info("building graphs %d/%d (%d tokens, %d rows, %d sampled) %.1fs", i, len(shapes), t, r, s,
-                     time.monotonic() - t0)
+            log.debug("graph %d/%d (%d tokens, %d rows, %d sampled) %.1fs", i, len(shapes), t, r, s,
+                      time.monotonic() - t0)
+            if i % every == 0 or i == len(shapes):
+                log.info("building graphs: %d/%d (up to %d tokens) in %.1fs", i, len(shapes), t,
+                         time.monotonic() - start)
         freeze_compile_cache()
