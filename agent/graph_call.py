@@ -10,7 +10,12 @@ MindSpore's own fast path for mindformers' "increment" phase does (`Cell._predic
 """
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
+
+from agent import kernels
 
 
 class GraphCall:
@@ -42,3 +47,38 @@ class GraphCall:
             return out
         self._executor.set_jit_config(self._jit_config)
         return _convert_python_data(self._executor(args, phase))
+
+
+def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
+    """Graph mode on the chosen device (LLM_SERVING_DEVICE, from serving_config.device) and
+    `device_id`, with the on-disk compile cache in a folder keyed by our model source and `key`
+    (compile_cache_key): MindSpore's own staleness check missed source changes and replayed a graph
+    of the old code. Returns the device target and id MindSpore then reports."""
+    import mindspore as ms
+
+    if cache_dir:
+        src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))  # all of agent/
+        digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    device = os.environ.get("LLM_SERVING_DEVICE", "CPU")
+    ms.set_device(device, device_id)
+    if device == "CPU":
+        # MindSpore's CPU kernels default to 25 threads whatever the machine: on our few pinned
+        # cores they preempt each other. One per core we may run on.
+        threads = int(os.environ.get("LLM_SERVING_CPU_THREADS", 0)) or len(os.sched_getaffinity(0))
+        try:
+            ms.device_context.cpu.op_tuning.threads_num(threads)
+        except RuntimeError:  # set once per process; a later runner in the same process keeps it
+            pass
+    return str(ms.get_context("device_target")), int(ms.get_context("device_id"))
+
+
+def freeze_compile_cache() -> None:
+    """Stop using the on-disk compile cache once warm-up has built its fixed sequence of graphs.
+    MindSpore names cached graphs by compile order (compile_cache_0, _1, ...) in one folder read once
+    per process, so a graph first built under traffic (shapes met in any order) could be handed to
+    another shape on the next start: Reshape size mismatch, and every later step failed. Warm-up
+    order is fixed by the key, so its graphs still load from the cache; later ones are built anew."""
+    os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"

@@ -121,7 +121,9 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     device_id = cfg.start_device_id + index
     os.environ["LLM_SERVING_DEVICE"] = cfg.device  # read by the native kernels' switch too
     os.environ["DEVICE_ID"] = str(device_id)
-    from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore  # mindspore first
+    from agent.runner import ModelRunner  # mindspore first
+    from agent.runner_config import RunnerConfig, compile_cache_key
+    from agent.graph_call import setup_mindspore
     from agent.tensor_parallel import Group
     from agent.calibrate import CALIBRATION_TEXT
     from agent.weights import load_model

@@ -16,7 +16,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agent.layers import KV_DTYPES, Backend, LayerWeights, param, zeros_param
+from agent.backend import Backend
+from agent.layers import KV_DTYPES, param, zeros_param
+from agent.linear import LayerWeights
 from agent.projections import embedding, layer_prologues, post_gain_offset
 from common.memory import kv_head_bytes
 

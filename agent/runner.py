@@ -1,136 +1,26 @@
-"""ModelRunner: runs one step (arena views) as a single token-packed static-shape graph call, then samples.
-
-A step is one flat list of T tokens from all its rows (decodes contribute one, prefill chunks
-many), padded to a token bucket; the block-table width is fixed by max_model_len, so the graph set
-is one graph per token bucket, every one built before the agent reports ready.
-"""
+"""ModelRunner: runs one step (arena views) as a single token-packed static-shape graph call, then
+samples. The graphs it builds are RunnerConfig's (agent.runner_config), all before ready."""
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from common.config import QUANT_GROUP_SIZE
 from agent import kernels
-from agent.logits_dump import LogitsDump
 from agent.calibrate import activation_ranges
-from agent.graph_call import GraphCall
-from agent.layers import Backend
+from agent.graph_call import GraphCall, freeze_compile_cache
+from agent.backend import Backend
 from agent.model import LlamaConfig, LlamaModel
-from agent.tensor_parallel import Group, shard
-from agent.sampling import needs_penalty, sample
+from agent.runner_config import RunnerConfig, bucket
+from agent.sampling import sample
+from agent.sequences import SequenceState
+from agent.tensor_parallel import shard
 from common.memory import kv_dtype_for
-from shm.step import SamplingColumns, StepInputs, StepView
+from shm.step import StepInputs, StepView
 
 log = logging.getLogger("llm_serving.agent")
-FEW_LOGIT_ROWS = 8  # a prefill-only step's chunks (prefill_batch_size, 4 by default) and a few decodes
-
-
-def bucket(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclass
-class RunnerConfig:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    token_buckets: list[int]  # padded token counts of a step, one graph each; the last is the most per step
-    max_running: int  # sequences per step (serving_config: the last decode_batch_size)
-    mixed_tokens: int = 0  # most tokens of a step with decodes; larger buckets serve prefill-only steps (0: all)
-    prefill_rows: int = FEW_LOGIT_ROWS  # most prefill chunks per step (prefill_batch_size)
-    native_kernels: bool = True  # agent/kernels CPU ops (paged attention, fused element-wise) when they build
-    model_dtype: str = "float32"  # or "bfloat16" / "int8" projections (agent.layers; need the native kernels)
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (common.config.kv_dtype_for)
-    int8_group: int = QUANT_GROUP_SIZE  # at most this many inputs per int8 scale (agent.quant.group_for; 0: 8 per row)
-    tp: Group = Group()  # this runner's rank of a tensor-parallel group (agent.tensor_parallel)
-
-    def __post_init__(self) -> None:
-        self.token_buckets = sorted(set(self.token_buckets))
-        if self.token_buckets[0] < 1 or self.max_running < 1:
-            raise ValueError("token buckets and max_running must be positive")
-
-    @classmethod
-    def from_serving(cls, cfg: Any, tp: Group = Group()) -> "RunnerConfig":
-        """The runner of a serving config (common.config.ServingConfig) on tensor-parallel rank `tp`."""
-        return cls(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-                   token_buckets=cfg.token_buckets, max_running=cfg.max_running, mixed_tokens=cfg.mixed_step_tokens,
-                   prefill_rows=cfg.max_prefill_rows, model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                   int8_group=cfg.quant_group_size, tp=tp)
-
-    @property
-    def width(self) -> int:
-        """Block-table columns: fixed, so no graph depends on context length."""
-        return -(-self.max_model_len // self.block_size)
-
-    def rows_for(self, tokens: int) -> int:
-        """Rows (block tables) of the graphs of a token bucket: never more than its tokens."""
-        return min(tokens, self.max_running)
-
-    def logit_rows_for(self, tokens: int) -> list[int]:
-        """Rows the LM head runs on, per graph of a token bucket: all rows, or a few for the
-        prefill-heavy steps of large buckets (measured, SmolLM2 on 2 cores: the LM head of 64 rows
-        costs ~65 ms, 13-25% of a 128-256-token step that samples one or two)."""
-        rows = self.rows_for(tokens)
-        few = min(max(FEW_LOGIT_ROWS, self.prefill_rows), rows)
-        if self.mixed_tokens and tokens > self.mixed_tokens:  # prefill-only: at most prefill_rows rows
-            return [few]
-        return sorted({few, rows})
-
-    def graph_shapes(self) -> list[tuple[int, int, int]]:
-        """(tokens, rows, logit rows) of every graph a step can run: all built before ready."""
-        return [(t, self.rows_for(t), s) for t in self.token_buckets for s in self.logit_rows_for(t)]
-
-
-def compile_cache_key(model_cfg: LlamaConfig, rc: RunnerConfig) -> str:
-    """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
-    exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
-    return (f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|"
-            f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}")
-
-
-def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
-    """Graph mode on the chosen device (LLM_SERVING_DEVICE, from serving_config.device) and
-    `device_id`, with the on-disk compile cache in a folder keyed by our model source and `key`
-    (compile_cache_key): MindSpore's own staleness check missed source changes and replayed a graph
-    of the old code. Returns the device target and id MindSpore then reports."""
-    import mindspore as ms
-
-    if cache_dir:
-        src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))  # all of agent/
-        digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
-        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
-        os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
-    ms.set_context(mode=ms.GRAPH_MODE)
-    device = os.environ.get("LLM_SERVING_DEVICE", "CPU")
-    ms.set_device(device, device_id)
-    if device == "CPU":
-        # MindSpore's CPU kernels default to 25 threads whatever the machine: on our few pinned
-        # cores they preempt each other. One per core we may run on.
-        threads = int(os.environ.get("LLM_SERVING_CPU_THREADS", 0)) or len(os.sched_getaffinity(0))
-        try:
-            ms.device_context.cpu.op_tuning.threads_num(threads)
-        except RuntimeError:  # set once per process; a later runner in the same process keeps it
-            pass
-    return str(ms.get_context("device_target")), int(ms.get_context("device_id"))
-
-
-def freeze_compile_cache() -> None:
-    """Stop using the on-disk compile cache once warm-up has built its fixed sequence of graphs.
-    MindSpore names cached graphs by compile order (compile_cache_0, _1, ...) in one folder read once
-    per process, so a graph first built under traffic (shapes met in any order) could be handed to
-    another shape on the next start: Reshape size mismatch, and every later step failed. Warm-up
-    order is fixed by the key, so its graphs still load from the cache; later ones are built anew."""
-    os.environ["MS_COMPILER_CACHE_ENABLE"] = "0"
 
 
 class ModelRunner:
@@ -152,10 +42,8 @@ class ModelRunner:
         self.model = LlamaModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.graph = GraphCall(self.model)
         self.rng = np.random.default_rng(seed)
-        self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
-        self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
+        self.seqs = SequenceState()
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
-        self.dump = LogitsDump.from_env()  # the contest's raw-logit precision files (--dump-logits)
 
     @property
     def graph_compiles(self) -> int:
@@ -219,17 +107,13 @@ class ModelRunner:
 
     def step(self, v: StepView, free: list[int]) -> float:
         """Run one step described by arena views `v`; writes its outputs. Returns model seconds."""
-        for seq in free:
-            self.histories.pop(seq, None)
-            self.last.pop(seq, None)
-            if self.dump is not None:
-                self.dump.forget(seq)
+        self.seqs.free(free)
         x = v.inputs
         if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
             return 0.0
         starts = self._starts(x.query_lens, x.tokens.shape[0])
-        tokens, unfed = self._feed(x, starts)
-        self._track_histories(x, tokens, v.sampling, starts)
+        tokens, unfed = self.seqs.feed(x, starts)
+        self.seqs.track(x, tokens, v.sampling, starts)
         t0 = time.perf_counter()
         logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
@@ -238,13 +122,13 @@ class ModelRunner:
         # alone took ~65 us of a one-row SmolLM2 int8 step, cache-cold after the weights went through.
         rows = slice(0, sampled.size) if sampled.size == x.sample.shape[0] else sampled
         writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
-        if self.dump is not None and writes:  # before penalties change the logits in place
-            self._dump(x, tokens, starts, logits[rows], rows)
+        if self.seqs.dump is not None and writes:  # before penalties change the logits in place
+            self.seqs.write_dump(x, tokens, starts, logits[rows], rows)
         if sampled.size:
-            hist = [self._history(int(x.seq_ids[r])) for r in sampled]
+            hist = [self.seqs.history(int(x.seq_ids[r])) for r in sampled]
             res = sample(logits[rows], lse[rows], v.sampling.take(rows), hist, self.rng)
             res.ids[unfed[rows]] = -1  # its input was unknown: this row fails, its neighbours go on
-            self.last.update(zip(x.seq_ids[rows].tolist(), res.ids.tolist()))
+            self.seqs.sampled(x.seq_ids[rows], res.ids)
         if sampled.size and writes:
             out = v.outputs
             out.ids[rows] = res.ids
@@ -254,43 +138,8 @@ class ModelRunner:
             out.top_logprobs[rows, :n] = res.top_logprobs
         return elapsed
 
-    def _feed(self, x: StepInputs, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The step's tokens with every fed row's token replaced by its sequence's last sample here,
-        and which rows had none (a sequence this agent never sampled, or whose sampling failed)."""
-        tokens = x.tokens
-        unfed = np.zeros(x.feed.shape[0], bool)
-        rows = np.nonzero(x.feed)[0]
-        if rows.size:
-            tokens = tokens.copy()  # the arena's inputs stay as the server wrote them
-            last = np.array([self.last.get(int(s), -1) for s in x.seq_ids[rows]], np.int32)
-            unfed[rows] = last < 0
-            tokens[starts[rows]] = np.maximum(last, 0)
-        return tokens, unfed
-
-    def _dump(self, x: StepInputs, tokens: np.ndarray, starts: np.ndarray, logits: np.ndarray, rows: Any) -> None:
-        """The contest's precision files (agent.logits_dump): names from prompts' first chunks."""
-        for r in np.nonzero(x.positions[starts] == 0)[0]:
-            self.dump.started(int(x.seq_ids[r]), tokens[starts[r]:starts[r] + x.query_lens[r]].tolist())
-        last = (starts + x.query_lens - 1)[rows]
-        if logits.shape[0]:
-            self.dump.write(logits, x.seq_ids[rows], x.positions[last])
-
-    def _track_histories(self, x: StepInputs, tokens: np.ndarray, cols: SamplingColumns, starts: np.ndarray) -> None:
-        """Penalties need every token a sequence has fed; a chunk starting at position 0 restarts it."""
-        for r in np.nonzero(needs_penalty(cols))[0]:
-            s, q = starts[r], x.query_lens[r]
-            seq = int(x.seq_ids[r])
-            if x.positions[s] == 0:
-                self.histories[seq] = []
-            self.histories.setdefault(seq, []).extend(tokens[s:s + q].tolist())
-
-    def _history(self, seq: int) -> np.ndarray | None:
-        h = self.histories.get(seq)
-        return None if h is None else np.asarray(h, np.int64)
-
     def reset(self) -> None:
-        self.histories.clear()
-        self.last.clear()
+        self.seqs.reset()
 
     def warmup(self) -> None:
         """Build every graph a step can run (one per token bucket) before traffic, in a fixed order:

@@ -12,13 +12,21 @@ alone writes the step's outputs and its reply is the step's.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import multiprocessing as mp
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
+
+from common.config import ServingConfig
+from common.memory import model_shape
+from common.model_files import resolve_model
+from shm.arena import segment_name
 
 if TYPE_CHECKING:  # the launcher imports this module: no mindspore here
     from agent.model import LlamaConfig
@@ -145,6 +153,41 @@ def rank_config(cfg: LlamaConfig, size: int) -> LlamaConfig:
     return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
                    intermediate_size=cfg.intermediate_size // size, tie_word_embeddings=False,
                    head_dim=cfg.head_dim)
+
+
+# ------------------------------------------------------------------ the launcher's side of a group
+_epochs = itertools.count()
+
+
+def group_link(cfg: ServingConfig, group: list[int]) -> tuple[str | None, Any]:
+    """Where a tensor-parallel group's ranks meet, new at every (re)start, and what to stop with
+    it: `shm:<segment>` for the native collectives (CPU; named by this launcher's pid, so a dead
+    launcher's are cleaned like stale arenas), else `ms:<port>` and mindspore.communication's
+    scheduler process. (None, None) for one rank."""
+    if len(group) == 1:
+        return None, None
+    if cfg.device == "CPU" and os.environ.get("LLM_SERVING_NATIVE", "1") != "0":  # agent.kernels.enabled()
+        shape = model_shape(resolve_model(cfg.model_path, cfg.model_cfg_path))
+        name = segment_name(f"tp{cfg.agent_ports[group[0]]}x{next(_epochs)}")
+        create_segment(name, len(group), slot_floats(shape.hidden, shape.vocab, cfg.token_buckets[-1], cfg.max_rows,
+                                                     len(group)))
+        return f"shm:{name}", name
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sched = mp.get_context("spawn").Process(target=run_scheduler, args=(port, len(group)), daemon=True,
+                                            name=f"scheduler{group[0]}")
+    sched.start()
+    return f"ms:{port}", sched
+
+
+def stop_link(companion: Any) -> None:
+    """What group_link made: its collective segment (unlinked) or scheduler process (stopped)."""
+    if isinstance(companion, str):
+        (SEGMENT_DIR / companion).unlink(missing_ok=True)
+    elif companion is not None:
+        companion.kill()
+        companion.join(5.0)
 
 
 class ShardedWeights(Mapping):

@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from common.config_keys import KEYS, WHAT, notices
+from common.config_keys import KEYS, notices
+from common.config_values import WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
 

@@ -8,113 +8,18 @@ unknown key: the server and `launch_agents` print them as warnings at start.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, as_blocks, as_bool, as_cores,
+                                  as_float, as_hosts, as_int, as_most, as_ports, as_sizes, lower, model_dtype,
+                                  parse_bytes, port_ok)
 
-FLOAT32 = ("float32", "fp32", "datatype.float32", "mstype.float32")
-INT8 = ("int8", "w8a8", "datatype.int8", "mstype.int8")
-BFLOAT16 = ("bfloat16", "bf16", "datatype.bfloat16", "mstype.bfloat16")
-FLOAT16 = ("float16", "fp16", "half", "datatype.float16", "mstype.float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
 SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer")
 # Whole sections accepted and not needed here, with why.
 IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
                     for name in ("basic_inputs", "extra_inputs", "warmup_inputs")}
-
-
-# ------------------------------------------------------------ value readers (ValueError/TypeError: refused)
-def as_bool(value: Any) -> bool:
-    """YAML booleans, and the original clients' "True"/"False" strings (bool("False") is True)."""
-    if isinstance(value, bool):
-        return value
-    if str(value).strip().lower() in ("true", "false"):
-        return str(value).strip().lower() == "true"
-    raise ValueError(value)
-
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_bytes(value: Any) -> int:
-    """A byte count: an integer, or a string such as "8GiB", "512 MiB", "20G" (G = GiB, as vLLM's)."""
-    if isinstance(value, bool):
-        raise ValueError(value)
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(value)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def as_int(value: Any) -> int:
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(value)
-    return int(value)
-
-
-def as_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(value)
-    return float(value)
-
-
-def as_sizes(v: Any) -> list[int]:
-    """A size or a list of sizes, sorted."""
-    return sorted(as_int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
-
-
-def as_most(v: Any) -> int:
-    """The original's prefill_batch_size is a list; the most of it counts here."""
-    return max(as_sizes(v) or [0])
-
-
-def as_ports(v: Any) -> list[int]:
-    """agent_ports in the YAML's order (agent i serves agent_ports[i]), never sorted."""
-    items = v if isinstance(v, (list, tuple)) else [v]
-    if not items:
-        raise ValueError(v)
-    return [as_int(x) for x in items]
-
-
-def as_cores(v: Any) -> list[list[int]]:
-    if not isinstance(v, list) or not all(isinstance(x, list) for x in v):
-        raise ValueError(v)
-    return [[as_int(c) for c in x] for x in v]
-
-
-def as_hosts(v: Any) -> list[str]:
-    if not isinstance(v, list):
-        raise ValueError(v)
-    return [str(h) for h in v]
-
-
-def as_blocks(v: Any) -> int:
-    """pa_config.num_blocks: a count, or "auto" (0)."""
-    return 0 if str(v).strip().lower() == "auto" else as_int(v)
-
-
-def model_dtype(value: Any) -> str:
-    """The dtype the model runs in for a `model_dtype` value: "int8", "bfloat16" or "float16" for
-    their spellings, else float32 (other values get a notice)."""
-    v = str(value).lower()
-    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float16" if v in FLOAT16 else "float32"
-
-
-def lower(value: Any) -> str:
-    return str(value).lower()
-
-
-WHAT = {as_int: "an integer", as_float: "a number", as_bool: "true or false", parse_bytes: "a byte count such as 8GiB",
-        as_blocks: "an integer or auto", as_cores: "a list of core lists", as_hosts: "a list of hosts",
-        str: "a string"}
-
-
-def _port(v: int) -> bool:
-    return 1 <= v <= 65535
 
 
 @dataclass(frozen=True)
@@ -202,7 +107,7 @@ KEYS: list[Key] = [
     Key(M, "current_index", None, original="index input toggle", ignored="positions travel with every token"),
     Key(M, "pad_token_id", None, original="padding id", ignored="padding never reaches the model's outputs"),
     # ---------------------------------------------------------------- serving_config
-    Key(S, "agent_ports", "agent_ports", as_ports, _port, "a non-empty list of ports in [1, 65535]", "one agent per port",
+    Key(S, "agent_ports", "agent_ports", as_ports, port_ok, "a non-empty list of ports in [1, 65535]", "one agent per port",
         "same; several ports = data-parallel replicas"),
     Key(S, "tensor_parallel_size", "tensor_parallel_size", as_int, lambda v: v >= 1, ">= 1 (and divide the number of agent_ports)",
         here="ours: consecutive `agent_ports` form groups of this many ranks of one model (the original's multi-port "
@@ -222,7 +127,7 @@ KEYS: list[Key] = [
              "KV + activations + runtime per agent, times the agents started on this host, against its available "
              "memory and stops before loading with what it needs and has (`llm-serving --dry-run` prints that plan)"),
     Key(S, "server_ip", "server_ip", str, original="HTTP address", here="same"),
-    Key(S, "server_port", "server_port", as_int, _port, "a port in [1, 65535]", "HTTP port", "same"),
+    Key(S, "server_port", "server_port", as_int, port_ok, "a port in [1, 65535]", "HTTP port", "same"),
     Key(S, "prefill_batch_waiting_time", "prefill_batch_waiting_time", as_float, lambda v: 0 <= v <= 10,
         "in [0, 10] seconds", "seconds to wait for companions before a prefill",
         "an idle agent holds a lone prompt up to this long (from its arrival) while fewer than `prefill_batch_size` "

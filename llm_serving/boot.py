@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from common.config import ServingConfig
 from common.model_files import model_identity, resolve_model
-from llm_serving.launch import AgentStartError, respawn_group, start_agents, stop_agents
+from llm_serving.agents import AgentStartError, respawn_group, start_agents, stop_agents
 from server.engine.engine import Engine
 from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
@@ -18,6 +18,7 @@ from shm.arena import ArenaSpec
 from shm.curve import CurveKeyError, KeyFolder
 from shm.endpoint import agent_address, holder, is_local
 from shm.group import GroupClient
+from shm.link import AgentLink
 from shm.transport import AgentClient, AgentDead, AgentError
 
 log = logging.getLogger("llm_serving")
@@ -76,7 +77,7 @@ def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 6
 
 
 def connect_replica(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 600.0, reset: bool = False,
-                    wait_s: float = 0.0) -> AgentClient | GroupClient:
+                    wait_s: float = 0.0) -> AgentLink:
     """Attach to replica `index`: its one agent, or every rank of its tensor-parallel group."""
     ranks: list[AgentClient] = []
     try:
@@ -90,10 +91,10 @@ def connect_replica(cfg: ServingConfig, index: int, tag: str, timeout_s: float =
     return ranks[0] if len(ranks) == 1 else GroupClient(ranks)
 
 
-def connect_agents(cfg: ServingConfig, reset: bool = False, wait_s: float = 0.0) -> list[AgentClient | GroupClient]:
+def connect_agents(cfg: ServingConfig, reset: bool = False, wait_s: float = 0.0) -> list[AgentLink]:
     """One client per replica (a GroupClient for tensor-parallel ranks); `wait_s`: how long a local
     agent may take to appear."""
-    clients: list[AgentClient | GroupClient] = []
+    clients: list[AgentLink] = []
     try:
         for i in range(len(cfg.groups)):
             clients.append(connect_replica(cfg, i, f"agent{i}", reset=reset, wait_s=wait_s))
@@ -116,14 +117,14 @@ def vocab_mismatch(cfg: ServingConfig, tokenizer: int, model: int) -> str | None
 
 
 def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any],
-              procs: list) -> Callable[[int, bool], AgentClient]:
+              procs: list) -> Callable[[int, bool], AgentLink]:
     """How the engine brings agent i back: respawn it when we started it, else wait for its
     launcher (launch_agents restarts it) until the recovery deadline; then attach again. An agent
     taken from us by `r` (`reattach`) is attached again as it is, model loaded: while another live
     server holds it the attach fails (and is retried), it is never killed."""
     generation = itertools.count(1)
 
-    def restart(index: int, reattach: bool = False) -> AgentClient | GroupClient:
+    def restart(index: int, reattach: bool = False) -> AgentLink:
         if procs and not (reattach and all(procs[i].is_alive() for i in cfg.groups[index])):
             respawn_group(cfg, config_path, overrides, procs, index)
         return connect_replica(cfg, index, f"agent{index}g{next(generation)}", timeout_s=cfg.recovery_deadline_s,

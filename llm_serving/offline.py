@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import load_config
-from llm_serving.launch import stop_agents
+from llm_serving.agents import stop_agents
 from llm_serving.boot import start_engine
 from server.engine.engine import QueueFull
 from server.prompts import encode_prompt

@@ -16,7 +16,8 @@ from common.memory import plan as memory_plan
 from common.model_files import resolve_model
 from common.tokenizer import TextTokenizer
 from llm_serving.boot import START_ERRORS, start_engine
-from llm_serving.launch import agent_env, positive, stop_agents
+from llm_serving.agents import stop_agents
+from llm_serving.launch import agent_env, positive
 from server.engine.engine import Engine
 from shm.arena import clean_stale_segments
 from shm.endpoint import clean_stale_endpoints, lws_agents, parse_agents

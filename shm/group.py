@@ -7,43 +7,29 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from shm.arena import Arena
-from shm.messages import AgentInfo, StepReply
+from shm.messages import StepReply
 from shm.step import StepDims
 from shm.transport import POLL_MS, AgentClient, AgentDead, AgentError
 
 
+def _of_lead(name: str) -> property:
+    return property(lambda self: getattr(self.lead, name))
+
+
 class GroupClient:
-    """Rank 0's AgentClient interface over all ranks (used where one would be). Not thread-safe."""
+    """An AgentLink (shm/link.py) over all ranks, used where one agent's client would be. Not thread-safe."""
 
     def __init__(self, ranks: list[AgentClient]):
         self.ranks = ranks
         self.lead = ranks[0]
 
     # what callers read of rank 0
-    @property
-    def address(self) -> str:
-        return self.lead.address
-
-    @property
-    def local(self) -> bool:
-        return self.lead.local
-
-    @property
-    def info(self) -> AgentInfo | None:
-        return self.lead.info
-
-    @property
-    def pid(self) -> int | None:
-        return self.lead.pid
-
-    @property
-    def arenas(self) -> list[Arena]:
-        return self.lead.arenas
-
-    @property
-    def in_flight(self) -> int:
-        return self.lead.in_flight
+    address = _of_lead("address")
+    local = _of_lead("local")
+    info = _of_lead("info")
+    pid = _of_lead("pid")
+    arenas = _of_lead("arenas")
+    in_flight = _of_lead("in_flight")
 
     def steps(self) -> list[Any]:
         return self.lead.steps()

@@ -52,8 +52,37 @@ class Pending:
     tag: Any = None  # what the caller sent a step with (the engine's plan): the one record of steps in flight
 
 
+class Liveness:
+    """Whether an agent is still there: its socket's connect/disconnect events and, for a local
+    agent, its process."""
+
+    def __init__(self, sock: zmq.Socket, address: str):
+        self.address = address
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.connected = False
+        self.dead = False
+
+    def check(self, pid: int | None, local: bool) -> None:
+        """Raises AgentDead if the agent is gone (cheap: a monitor poll and a /proc read)."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.dead = True
+        if pid and local and not pid_alive(pid):
+            self.dead = True
+        if self.dead:
+            raise AgentDead(f"agent at {self.address} is gone")
+
+    def close(self, sock: zmq.Socket) -> None:
+        sock.disable_monitor()
+        self.monitor.close(0)
+
+
 class AgentClient:
-    """Server-side handle of one agent. Not thread-safe: one engine thread owns it."""
+    """Server-side handle of one agent (an AgentLink, shm/link.py). Not thread-safe: one engine
+    thread owns it."""
 
     def __init__(self, address: str, spec: ArenaSpec, tag: str, pid: int | None = None,
                  curve: KeyFolder | None = None, lead: "AgentClient | None" = None):
@@ -70,7 +99,7 @@ class AgentClient:
         self.sock.setsockopt(zmq.ROUTING_ID, f"{os.getpid()}-{tag}".encode())
         if curve is not None and not self.local:
             curve.client(self.sock)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.liveness = Liveness(self.sock, address)
         self.sock.connect(address)
         self.segment: Segment | None = None
         self.owns_segment = lead is None
@@ -83,30 +112,12 @@ class AgentClient:
         # Commands awaiting their replies, oldest first. Steps may be pipelined up to one per arena
         # slot (the agent runs them in order); others go alone.
         self._pending: deque[Pending] = deque()
-        self._connected = False
-        self.dead = False
         self.closed = False
 
-    # ------------------------------------------------------------ liveness
     def check_alive(self) -> None:
-        """Raises AgentDead if the agent is gone (cheap: a monitor poll and a /proc read)."""
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED and self._connected:
-                self.dead = True
-        if self.pid and self.local and not pid_alive(self.pid):
-            self.dead = True
-        if self.dead:
-            raise AgentDead(f"agent at {self.address} is gone")
+        self.liveness.check(self.pid, self.local)
 
     # ------------------------------------------------------------ raw calls
-    @property
-    def arena(self) -> Arena:
-        """Slot 0: the arena of a client that has one step in flight at a time."""
-        return self.arenas[0]
-
     @property
     def in_flight(self) -> int:
         return len(self._pending)
@@ -205,13 +216,12 @@ class AgentClient:
             return
         self.closed = True
         self._pending.clear()  # nothing of a closed client is in flight
-        if detach and not self.dead:
+        if detach and not self.liveness.dead:
             try:
                 self.call(P.DETACH, timeout_s=timeout_s)
             except (AgentDead, AgentError, TimeoutError, zmq.ZMQError):
                 pass
-        self.sock.disable_monitor()
-        self.monitor.close(0)
+        self.liveness.close(self.sock)
         self.sock.close(0)
         self.arenas = []  # drop numpy views before unmapping
         if self.segment is not None and self.owns_segment:

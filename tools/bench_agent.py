@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
 
     from agent.calibrate import CALIBRATION_TEXT
-    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.runner import ModelRunner
+    from agent.runner_config import RunnerConfig
+    from agent.graph_call import setup_mindspore
     from agent.weights import load_model
     from common.tokenizer import load_tokenizer
     from common.model_files import resolve_model

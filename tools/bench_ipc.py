@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_serving.launch import start_agents, stop_agents
+from llm_serving.agents import start_agents, stop_agents
 from common.config import load_config
 from llm_serving.boot import connect_agents
 from server.sampling_params import SamplingParams
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat = median_us(lambda: client.call(P.HEARTBEAT), args.n)
         empty = median_us(lambda: step(StepDims(0, 0, 0)), args.n)
         rows64 = rows(64)
-        write64 = median_us(lambda: client.arena.write_step(rows64, bs), args.n)
-        dims = client.arena.write_step(rows(args.decode_batch), bs)
+        write64 = median_us(lambda: client.arenas[0].write_step(rows64, bs), args.n)
+        dims = client.arenas[0].write_step(rows(args.decode_batch), bs)
         step(dims)  # compile this shape
         walls, models = [], []
         for _ in range(5):

@@ -139,7 +139,9 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.size > 1:
         os.sched_setaffinity(0, [cores[args.rank % len(cores)]])
     from agent import kernels
-    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.runner import ModelRunner
+    from agent.runner_config import RunnerConfig
+    from agent.graph_call import setup_mindspore
     from agent.tensor_parallel import Group, slot_floats
     from agent.weights import load_model
     from common.model_files import resolve_model

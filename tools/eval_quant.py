@@ -47,7 +47,9 @@ WINDOW = 1024  # tokens per perplexity window: the runner's max_model_len
 
 def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 32, group: int = QUANT_GROUP_SIZE, kv: str = "auto"):
     from agent.calibrate import CALIBRATION_TEXT
-    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.runner import ModelRunner
+    from agent.runner_config import RunnerConfig
+    from agent.graph_call import setup_mindspore
     from agent.weights import load_model
     from common.model_files import resolve_model
     from common.tokenizer import load_tokenizer

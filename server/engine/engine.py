@@ -27,7 +27,7 @@ from server.engine.supervisor import Restart, Supervisor
 from server.request import Request
 from server.scheduler import Sequence
 from shm.messages import AgentInfo
-from shm.transport import AgentClient
+from shm.link import AgentLink
 
 __all__ = ["Engine", "QueueFull"]
 log = logging.getLogger("llm_serving.engine")
@@ -35,7 +35,7 @@ IDLE_WAIT_S = 0.2  # an engine with nothing in flight sleeps on its inbox this l
 
 
 class Engine:
-    def __init__(self, cfg: ServingConfig, tokenizer: TextTokenizer, clients: list[AgentClient],
+    def __init__(self, cfg: ServingConfig, tokenizer: TextTokenizer, clients: list[AgentLink],
                  metrics: Metrics | None = None, restart: Restart | None = None):
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = metrics or Metrics()

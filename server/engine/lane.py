@@ -19,8 +19,9 @@ from server.engine.pacing import StepPacer
 from server.scheduler import Scheduler, Sequence, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
-from shm.messages import StepReply
-from shm.transport import AgentClient, AgentDead, AgentError
+from shm.messages import AgentInfo, StepReply
+from shm.link import AgentLink
+from shm.transport import AgentDead, AgentError
 
 
 class LaneState(enum.Enum):
@@ -39,13 +40,13 @@ class InFlight:
     prepare_s: float  # server time to plan, encode and send it
 
 
-def pads_cost(client: AgentClient) -> bool:
+def pads_cost(client: AgentLink) -> bool:
     """Whether the agent computes its steps' padding (as it said in its handshake; yes if unknown)."""
     return client.info is None or client.info.pads_cost
 
 
 class AgentLane:
-    def __init__(self, index: int, client: AgentClient, cfg: ServingConfig):
+    def __init__(self, index: int, client: AgentLink, cfg: ServingConfig):
         self.index, self.client, self.cfg = index, client, cfg
         self.sched = Scheduler(cfg, pads_cost(client))
         self.state = LaneState.LIVE
@@ -126,7 +127,7 @@ class AgentLane:
         if self.ping_pending:
             reply = self.client.poll(timeout_s)
             if reply is not None:
-                if reply[0].get("server_pid") != os.getpid():  # `r` from another server took the agent
+                if AgentInfo.from_wire(reply[0]).server_pid != os.getpid():  # `r` from another server took the agent
                     raise AgentError("the agent no longer serves this server (reset by another)", E_NOT_ATTACHED)
             return None
         return self.client.poll_step(timeout_s)
@@ -146,17 +147,34 @@ class AgentLane:
 
     def go_down(self, why: str, now: float, kill: bool = True) -> list[Sequence]:
         """The agent is gone or stuck (`kill`: kill what is left of it), or serves another server
-        now; start an empty KV pool. Returns every sequence the lane held (to recompute), those of
-        its steps in flight included."""
+        now (attach again later, never restart); start an empty KV pool. Returns every sequence
+        the lane held (to recompute), those of its steps in flight included."""
         seqs = self.sched.drain()
         self.sched = Scheduler(self.cfg, pads_cost(self.client))
         if kill:
             self.client.kill()
         self.client.close(detach=False)
-        self.state, self.down_since, self.why = LaneState.RECOVERING, now, why
+        self.state, self.down_since, self.why, self.reattach = LaneState.RECOVERING, now, why, not kill
         return seqs
 
-    def attach(self, client: AgentClient) -> None:
+    def orphan(self, launcher: int) -> None:
+        self.state = LaneState.ORPHANED
+        self.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
+
+    def fail(self) -> None:
+        """Down for good: restarts exhausted or not allowed."""
+        self.state = LaneState.FAILED
+
+    def restart_failed(self, error: str) -> None:
+        self.why = f"restart failed: {error}"
+
+    def replied(self, now: float) -> float:
+        """A reply came `now`; returns when the agent started the step it answers (it ran the one
+        before until that one's reply)."""
+        start, self.replied_at = self.replied_at, now
+        return start
+
+    def attach(self, client: AgentLink) -> None:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()
         self.graph_compiles = 0  # a new process
 

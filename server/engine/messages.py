@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.request import Request
-from shm.transport import AgentClient
+from shm.link import AgentLink
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Abort:
 class AgentBack:
     """A restart's outcome for lane `index`: its new client, or why it failed."""
     index: int
-    client: AgentClient | None
+    client: AgentLink | None
     error: str | None
 
 

@@ -66,7 +66,7 @@ class Stepper:
                 self.supervisor.lane_down(lane, f"agent was taken over: {exc}", kill=False)
                 return
             if head is not None:  # this step's requests fail with its reason; the others go on
-                lane.replied_at = time.monotonic()
+                lane.replied(time.monotonic())
                 for p in head.plan.rows:
                     self.requests.end(p.seq.request, "error", f"step failed: {exc}")
             if exc.fatal:
@@ -82,8 +82,7 @@ class Stepper:
 
     def _step_done(self, lane: AgentLane, step: InFlight, reply: StepReply, now: float) -> None:
         rows = step.plan.rows
-        start = max(step.sent_at, lane.replied_at)  # the agent ran the step before this one until then
-        lane.replied_at = now
+        start = max(step.sent_at, lane.replied(now))
         lane.pacer.observe(sum(p.n_tokens for p in rows), now - start)
         kind = "prefill" if step.plan.has_prefill else "decode"
         self.metrics.step_time.labels(kind).observe(now - start)

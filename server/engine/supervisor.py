@@ -22,14 +22,14 @@ from server.engine.metrics import Metrics
 from server.engine.requests import Requests
 from server.request import Request, Status
 from shm.endpoint import holder
-from shm.transport import AgentClient
+from shm.link import AgentLink
 
 log = logging.getLogger("llm_serving.supervisor")
 LAUNCHER_POLL_S = 0.5  # an orphaned lane looks this often for a new agent on its port
 # Start (or wait for) agent i again and attach to it; with `reattach`, attach to the running agent as
 # it is (it was taken from us by `r`, not broken: restarting it would cost a model load, or kill the
 # agent of the server that took it).
-Restart = Callable[[int, bool], AgentClient]
+Restart = Callable[[int, bool], AgentLink]
 
 
 class Supervisor:
@@ -59,16 +59,14 @@ class Supervisor:
             log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
         seqs = lane.go_down(why, time.monotonic(), kill)
-        lane.reattach = not kill
         if launcher is not None and self.restart is not None:  # launch_agents is gone: nothing comes back until it is started again
-            lane.state = LaneState.ORPHANED
-            lane.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
+            lane.orphan(launcher)
             log.error("agent %d: %s", lane.index, lane.why)
             self._await_launcher(lane)
         elif self.restart is not None and not lane.backoff.exhausted and not self.stopping:
             self._restart(lane)
         else:
-            lane.state = LaneState.FAILED
+            lane.fail()
         open_lanes = self.open_lanes()
         for seq in seqs:  # recompute from prompt + tokens so far: elsewhere, or here once the agent is back
             req = seq.request
@@ -96,11 +94,11 @@ class Supervisor:
             self.metrics.graph_compiles.inc(lane.new_compiles(msg.client.info.graph_compiles))
             return
         log.error("agent %d: restart failed: %s", lane.index, msg.error)
-        lane.why = f"restart failed: {msg.error}"
+        lane.restart_failed(msg.error)
         if not lane.backoff.exhausted:
             self._restart(lane)
             return
-        lane.state = LaneState.FAILED
+        lane.fail()
         for seq in list(lane.sched.waiting):
             self.requests.end(seq.request, "error", f"agent {lane.index} could not be restarted: {msg.error}", 503)
 

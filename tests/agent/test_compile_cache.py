@@ -16,7 +16,9 @@ from tests.helpers import ROOT
 SCRIPT = r"""
 import json, sys
 import numpy as np
-from agent.runner import ModelRunner, RunnerConfig, compile_cache_key, setup_mindspore
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig, compile_cache_key
+from agent.graph_call import setup_mindspore
 from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig
+from agent.graph_call import setup_mindspore
 from agent.weights import load_model
 from common.model_files import ModelFiles
 from server.sampling_params import SamplingParams

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from agent import kernels
-from agent.layers import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear, bf16_bits
+from agent.layers import bf16_bits
+from agent.linear import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear
 from common.cpu import cpu_flags
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
@@ -157,7 +158,7 @@ def test_float16_cache_saturates_instead_of_overflowing():
 
 
 def test_16_bit_kv_without_native_kernels_is_refused_clearly():
-    from agent.layers import Backend
+    from agent.backend import Backend
 
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs the native kernels"):
         Backend("float32", None, "bfloat16")

@@ -9,7 +9,7 @@ import pytest
 
 from agent import kernels as native
 from agent.quant import LANES, Int8Rows, group_for, quantize
-from agent.runner import setup_mindspore
+from agent.graph_call import setup_mindspore
 
 
 def run_kernel(x: np.ndarray, rows: Int8Rows, gain: np.ndarray) -> np.ndarray:
@@ -133,7 +133,7 @@ def test_q8_0_gguf_loads_as_stored(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_half_and_int8_without_native_kernels_are_refused_clearly(dtype):
-    from agent.layers import Backend
+    from agent.backend import Backend
 
     with pytest.raises(ValueError, match=f"model_dtype {dtype} needs the native kernels"):
         Backend(dtype, None)
@@ -178,7 +178,8 @@ def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model
     import time
 
     from agent.calibrate import CALIBRATION_TEXT
-    from agent.runner import ModelRunner, RunnerConfig
+    from agent.runner import ModelRunner
+    from agent.runner_config import RunnerConfig
     from agent.weights import load_model
     from common.model_files import ModelFiles
     from common.tokenizer import load_tokenizer

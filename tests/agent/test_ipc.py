@@ -11,7 +11,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from llm_serving.launch import start_agents, stop_agents
+from llm_serving.agents import start_agents, stop_agents
 from common.config import load_config
 from llm_serving.boot import connect_agents
 from server.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ def agent(tmp_path, tiny_model_dir):
 
 def _decode_step(client, cfg):
     rows = [RowInput(1, np.asarray([5, 6, 7], np.int32), 0, [1], True, SamplingParams(), 3, 0)]
-    client.send_step(client.arena.write_step(rows, cfg.block_size), free=[], has_prefill=True)
+    client.send_step(client.arenas[0].write_step(rows, cfg.block_size), free=[], has_prefill=True)
     return client.poll_step(30)
 
 
@@ -140,12 +140,12 @@ def test_agent_survives_garbage_and_keeps_serving(agent):
             assert not ok and body["error"].startswith("protocol")
         raw.close(0)
         # A well-formed step with out-of-range content is refused with a reason, not a crash.
-        client.arena.full.inputs.tokens[0] = 10**6
+        client.arenas[0].full.inputs.tokens[0] = 10**6
         client.send_step(StepDims(1, 1, 1), [], True)
         with pytest.raises(AgentError, match="tokens out of range"):
             client.poll_step(30)
         assert _decode_step(client, cfg) is not None
-        assert 0 <= client.arena.full.outputs.ids[0] < client.info.vocab_size
+        assert 0 <= client.arenas[0].full.outputs.ids[0] < client.info.vocab_size
         assert client.call(P.HEARTBEAT)["attached"]
     finally:
         client.close()
@@ -214,7 +214,7 @@ def test_remote_agent_over_tcp_gets_tensors_as_frames(tmp_path, tiny_model_dir):
             try:
                 assert client.local == (ip == "127.0.0.1") and (client.segment is None) == (ip != "127.0.0.1")
                 _decode_step(client, cfg)
-                results[ip] = int(client.arena.full.outputs.ids[0])
+                results[ip] = int(client.arenas[0].full.outputs.ids[0])
             finally:
                 client.close()
         finally:

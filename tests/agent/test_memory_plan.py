@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from common.config import ConfigError, load_config
-from common.config_keys import parse_bytes
+from common.config_values import parse_bytes
 from common.memory import GiB, ModelShape, kv_block_bytes, weight_bytes
 from tests.conftest import TINY
 from tests.helpers import ROOT, ServerProcess, tiny_config
@@ -44,7 +44,9 @@ def test_planned_bytes_are_the_models_bytes(tiny_weights, dtype):
     """The plan's weight and KV bytes are what the built model holds (weights within 2%: norms; an
     int8 KV row carries its scale). The tiny model's int8 rows pad to 8 groups (17% here), so its
     weights are not compared."""
-    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.runner import ModelRunner
+    from agent.runner_config import RunnerConfig
+    from agent.graph_call import setup_mindspore
     from tests.conftest import tiny_model_config
 
     setup_mindspore()

@@ -4,7 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig
+from agent.graph_call import setup_mindspore
 from server.sampling_params import SamplingParams
 from shm.step import RowInput
 from shm.arena import Arena, ArenaSpec
@@ -224,7 +226,9 @@ _PLAIN_4096 = """
 import sys
 import numpy as np
 import agent.attention
-from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig
+from agent.graph_call import setup_mindspore
 from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 
@@ -255,7 +259,6 @@ def test_plain_path_step_memory_is_bounded_at_4096_context():
     the rest of the graph, which smaller chunks do not shrink: 334 MiB at 16 MiB chunks)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     def peak(gather_bytes: int) -> int:
         out = subprocess.run([sys.executable, "-c", _PLAIN_4096, str(gather_bytes)], capture_output=True, text=True,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from agent import kernels as native
-from agent.runner import setup_mindspore
+from agent.graph_call import setup_mindspore
 from tools.bench_attention import int8_rows
 
 
@@ -126,7 +126,7 @@ def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
     x = rng.standard_normal((m, k), dtype=np.float32)
     w1 = rng.standard_normal((k, n), dtype=np.float32)
     w2 = rng.standard_normal((k, n), dtype=np.float32)
-    from agent.layers import F32Linear
+    from agent.linear import F32Linear
 
     (b1,), (b2,) = F32Linear.stored(w1.T), F32Linear.stored(w2.T)  # [out, in] -> 64-column blocks
     y1, y2 = TwoLinears(b1, b2)(Tensor(x))

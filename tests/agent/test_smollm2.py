@@ -10,7 +10,9 @@ from common.tokenizer import load_tokenizer
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+    from agent.runner import ModelRunner
+    from agent.runner_config import RunnerConfig
+    from agent.graph_call import setup_mindspore
     from agent.weights import load_model
 
     setup_mindspore()

@@ -28,7 +28,9 @@ STEPS = 10
 _RANK = """
 import json, sys
 import numpy as np
-from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig
+from agent.graph_call import setup_mindspore
 from agent.tensor_parallel import Group, slot_floats
 from tests.agent.test_model_runner import PROMPTS, TOKEN_BUCKETS, PagedDriver
 from tests.conftest import tiny_model_config
@@ -70,7 +72,7 @@ class RankDriver(PagedDriver):
             for i, s in enumerate(seqs):
                 got[i].append(logits[i].tolist())
                 fed[i] = len(s)
-                s.append(self.runner.last[i])  # every rank samples the same token; only rank 0 writes it
+                s.append(self.runner.seqs.last[i])  # every rank samples the same token; only rank 0 writes it
         return seqs, got
 
 

@@ -130,7 +130,9 @@ _LOAD_CHILD = """
 import sys
 from pathlib import Path
 import mindspore  # noqa: F401  (its runtime is part of the final RSS, not of loading)
-from agent.runner import ModelRunner, RunnerConfig, setup_mindspore
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig
+from agent.graph_call import setup_mindspore
 from agent.weights import load_model
 from common.model_files import ModelFiles
 

@@ -1,0 +1,115 @@
+"""Backend: which kernels a model runs on, chosen once at load; it builds the decoder's parts
+(agent.layers' norms and collectives, agent.linear's projections, agent.attention's attention), so
+agent.model composes them and has no dtype branches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+from mindspore import nn
+
+from agent.attention import NativeAttention, PlainAttention
+from agent.kernels import custom_ops
+from agent.layers import DTYPES, KV_DTYPES, Alone, CommCollectives, NativeNorms, PlainNorms, ShmCollectives
+from agent.linear import (BF16_BLOCK, LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights,
+                          PlainLinear, Projection)
+from agent.projections import fp32_projections, int8_projections, lm_head
+from common.config import QUANT_GROUP_SIZE
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Which kernels a model runs on: `dtype` (float32 | bfloat16 | int8) of the projections and LM
+    head, `lib` the native kernel library (None: plain MindSpore ops, float32 only)."""
+
+    dtype: str = "float32"
+    lib: str | None = None
+    kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32
+    int8_group: int = QUANT_GROUP_SIZE
+    ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
+    tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model_dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+        if self.dtype != "float32" and self.lib is None:
+            raise ValueError(f"model_dtype {self.dtype} needs the native kernels (a C++ compiler, LLM_SERVING_NATIVE "
+                             "not 0, a CPU device); the plain-MindSpore path runs float32 only")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)} or auto")
+        if self.tp_size > 1 and self.dtype == "int8":
+            raise ValueError("tensor_parallel_size > 1 runs a float model_dtype (float32, bfloat16, float16)")
+        if self.kv_dtype != "float32" and self.lib is None:
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads 16-bit "
+                             "and int8 KV there); the plain-MindSpore path keeps float32")
+
+    def kernels(self, cfg: Any) -> dict[str, Any]:
+        if self.lib is None:
+            return {}
+        return custom_ops(self.lib, self.tp_size)
+
+    def collectives(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
+        if self.tp_size == 1:
+            return Alone()
+        padded = self.head_width(cfg) * self.tp_size
+        return ShmCollectives(k, cfg.vocab_size, padded) if self.lib else CommCollectives(self.tp_size, cfg.vocab_size, padded)
+
+    def one_op(self, cfg: Any) -> bool:
+        """Whether one op runs every decoder layer (agent/kernels/decoder_stack.cpp), taking each
+        kind's weights and the KV caches stacked. Not on the plain path, tensor parallel (partial
+        sums are combined between a layer's parts) or float weights padded to whole blocks (the
+        padding would have to be cut between the parts)."""
+        if self.lib is None or self.tp_size > 1:
+            return False
+        widths = self.widths(cfg)
+        return self.dtype == "int8" or all(widths[n] % BF16_BLOCK == 0 for n in LAYER_KINDS)
+
+    def stack_op(self, cfg: Any, k: dict[str, Any]) -> Any:
+        """The op that runs every decoder layer, or None where layers keep four ops (`one_op`)."""
+        return k[self.projection_cls.stack_op_name] if self.one_op(cfg) else None
+
+    def widths(self, cfg: Any) -> dict[str, int]:
+        """Output columns of each projection kind on this rank."""
+        return {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
+                "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": self.head_width(cfg)}
+
+    def head_width(self, cfg: Any) -> int:
+        """This rank's share of the vocabulary (padded to equal shares)."""
+        return -(-cfg.vocab_size // self.tp_size)
+
+    def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
+        if self.lib:
+            return NativeNorms(cfg.rms_eps, cfg.activation, k)
+        return PlainNorms(cfg.rms_eps, cfg.intermediate_size, cfg.activation)
+
+    def attention(self, cfg: Any, block_size: int, k: dict[str, Any]) -> nn.Cell:
+        return (NativeAttention if self.lib else PlainAttention)(cfg, block_size, k)
+
+    @property
+    def projection_cls(self) -> type[Projection]:
+        if self.lib is None:
+            return PlainLinear
+        return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
+
+    def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
+                    k: dict[str, Any], embed: np.ndarray | None = None) -> dict[str, Projection]:
+        """qkv, o, gate_up, down and head (from `embed` when tied and given), converted one layer at a
+        time (a large model never holds a second full copy)."""
+        cls = self.projection_cls
+        stacked = self.one_op(cfg)
+        kinds = {name: LayerWeights(name, cfg.num_layers, stacked) for name in LAYER_KINDS}
+        for i, layer in enumerate(self._prepared(cfg, w, attn_scale)):
+            for name, prep in layer.items():
+                kinds[name].add(i, cls.stored(prep))
+        head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group, embed)
+        kinds["head"] = LayerWeights("head", 1, False)
+        # int8 applies the final norm's gain where it quantises; float weights fold it into the head
+        kinds["head"].add(0, cls.stored((head, gain) if self.dtype == "int8" else head * gain[None, :]))
+        widths = self.widths(cfg)
+        return {name: cls(norms, lw.parameters(), k, widths[name]) for name, lw in kinds.items()}
+
+    def _prepared(self, cfg: Any, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
+        if self.dtype == "int8":
+            return int8_projections(cfg, w, attn_scale, self.ranges, self.int8_group)
+        return fp32_projections(cfg, w, attn_scale)
