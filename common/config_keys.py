@@ -85,11 +85,10 @@ KEYS: list[Key] = [
              "and run float32"),
     Key(M, "kv_cache_dtype", "kv_cache_dtype", lower, lambda v: v in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES),
         here="ours (vLLM's `--kv-cache-dtype`): `auto` (the weights' 16-bit dtype, i.e. `bfloat16` with bfloat16 "
-             "weights; `int8` with int8 weights: a 64-row decode reads the whole cache at a rate set by its bytes, and "
-             "int8 served SmolLM2 1.07-1.30x faster than float16, perplexity +1.34% over fp32 against +1.29%; else "
-             "`float32`), `float32`, `bfloat16`, `float16` or `int8`; 16-bit caches halve the KV memory (the pool "
+             "weights; `int8` with int8 weights, since a many-row decode reads the whole cache and its time follows "
+             "the bytes; else `float32`), `float32`, `bfloat16`, `float16` or `int8`; 16-bit caches halve the KV memory (the pool "
              "holds twice the tokens in the same bytes), int8 takes hd + 4 bytes a head (values rounded to max|x|/127 "
-             "steps, then that scale: 0.53x float16, +0.43% perplexity on fp32 weights); rope writes k/v rounded to it "
+             "steps, then that scale: 0.53x float16's bytes; accuracy in docs/benchmarks.md); rope writes k/v rounded to it "
              "(float16 saturating at its largest value) and paged attention widens them to fp32 as it reads (needs "
              "the native kernels). `--kv-cache-dtype` on `llm-serving` and `launch_agents`"),
     Key(M, "quant_group_size", "quant_group_size", as_int, lambda v: v == 0 or v >= 4,
