@@ -130,6 +130,8 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     from common.memory import plan as memory_plan
     from common.model_files import model_identity, resolve_model
     from common.tokenizer import load_tokenizer
+    from common.grammar import ll_tokenizer
+    from agent.grammar import Grammars
 
     t0 = time.monotonic()
     files = resolve_model(cfg.model_path, cfg.model_cfg_path)
@@ -145,9 +147,11 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
                                         key=compile_cache_key(model_cfg, rc), device_id=device_id)
-    calibration = load_tokenizer(files, cfg.tokenizer_path).encode(CALIBRATION_TEXT) if int8 else None
+    tok = load_tokenizer(files, cfg.tokenizer_path)
+    calibration = tok.encode(CALIBRATION_TEXT) if int8 else None
     # The ranks of a group sample alike: one seed per replica.
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp, calibration=calibration)
+    runner.seqs.grammars = Grammars(ll_tokenizer(tok, model_cfg.vocab_size), model_cfg.vocab_size)
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,

@@ -105,9 +105,11 @@ class ModelRunner:
             raise ValueError("query_lens must be positive and sum to n_tokens")
         return (np.cumsum(qlens) - qlens).astype(np.int64)
 
-    def step(self, v: StepView, free: list[int]) -> float:
-        """Run one step described by arena views `v`; writes its outputs. Returns model seconds."""
+    def step(self, v: StepView, free: list[int], grammars: list[list[Any]] | None = None) -> float:
+        """Run one step described by arena views `v`; writes its outputs. Returns model seconds.
+        `grammars`: the constrained sequences it (re)admits (agent/grammar.py)."""
         self.seqs.free(free)
+        self.seqs.start_grammars(grammars or [])
         x = v.inputs
         if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
             return 0.0
@@ -126,8 +128,15 @@ class ModelRunner:
             self.seqs.write_dump(x, tokens, starts, logits[rows], rows)
         if sampled.size:
             hist = [self.seqs.history(int(x.seq_ids[r])) for r in sampled]
-            res = sample(logits[rows], lse[rows], v.sampling.take(rows), hist, self.rng)
+            lg = logits[rows]
+            g = self.seqs.grammars
+            constrained = g.constrained(x.seq_ids[rows]) if g is not None else []
+            failed = g.mask(lg, constrained) if constrained else None
+            res = sample(lg, lse[rows], v.sampling.take(rows), hist, self.rng)
             res.ids[unfed[rows]] = -1  # its input was unknown: this row fails, its neighbours go on
+            if constrained:
+                res.ids[failed] = -1  # its grammar is in error: this row fails
+                g.consume(constrained, res.ids)
             self.seqs.sampled(x.seq_ids[rows], res.ids)
         if sampled.size and writes:
             out = v.outputs

@@ -1,11 +1,13 @@
 """What the agent remembers of each sequence between steps: its last sample (the input of a fed
-`a` row), its token history (for penalties) and its precision-file name (--dump-logits)."""
+`a` row), its token history (for penalties), its grammar's matcher (agent/grammar.py) and its
+precision-file name (--dump-logits)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from agent.grammar import Grammars
 from agent.logits_dump import LogitsDump
 from agent.sampling import needs_penalty
 from shm.step import SamplingColumns, StepInputs
@@ -16,17 +18,29 @@ class SequenceState:
         self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
         self.dump = LogitsDump.from_env()  # the contest's raw-logit precision files (--dump-logits)
+        self.grammars: Grammars | None = None  # set by the agent's boot where the tokenizer is at hand
 
     def free(self, seqs: list[int]) -> None:
         for seq in seqs:
             self.histories.pop(seq, None)
             self.last.pop(seq, None)
+            if self.grammars is not None:
+                self.grammars.free(seq)
             if self.dump is not None:
                 self.dump.forget(seq)
 
     def reset(self) -> None:
         self.histories.clear()
         self.last.clear()
+        if self.grammars is not None:
+            self.grammars.matchers.clear()
+
+    def start_grammars(self, grammars: list[list[Any]]) -> None:
+        """[seq, grammar, outputs so far] of the constrained sequences a step (re)admits."""
+        if grammars and self.grammars is None:
+            raise ValueError("this agent has no grammar engine (llguidance) for constrained rows")
+        for seq, grammar, outputs in grammars:
+            self.grammars.start(seq, grammar, outputs)
 
     def feed(self, x: StepInputs, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The step's tokens with every fed row's token replaced by its sequence's last sample here,

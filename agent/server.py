@@ -130,7 +130,7 @@ class AgentServer:
         except ValueError as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
-            model_s = self.runner.step(v, h["free"])
+            model_s = self.runner.step(v, h["free"], h.get("grammars", []))
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else arena.output_frames(dims.n_rows)

@@ -30,6 +30,7 @@ QUANT_GROUP_SIZE = 72
 @dataclass
 class ServingConfig:
     model_name: str = "smollm2"
+    model_aliases: list[str] = field(default_factory=list)  # other names a request's `model` may use
     model_path: str | None = None  # ours: a .gguf, a HF folder, a .ckpt; None = model_cfg_path's checkpoint, else smollm2
     model_cfg_path: str | None = None  # a MindFormers model yaml (its load_checkpoint names the weights)
     vocab_size: int | None = None  # when set, the model's must equal it (checked at attach)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, as_blocks, as_bool, as_cores,
-                                  as_float, as_hosts, as_int, as_most, as_ports, as_sizes, lower, model_dtype,
+                                  as_float, as_hosts, as_names, as_int, as_most, as_ports, as_sizes, lower, model_dtype,
                                   parse_bytes, port_ok)
 
 
@@ -44,6 +44,9 @@ SUPERVISION = "supervision (README, \"Failures\")"
 KEYS: list[Key] = [
     # ---------------------------------------------------------------- model_config
     Key(M, "model_name", "model_name", str, original="model id", here="the id in replies (`model_id`, `/v1/models`)"),
+    Key(S, "model_aliases", "model_aliases", as_names,
+        here="ours: other names a request's `model` may use (listed by `/v1/models`); any other name gets 404 "
+             "`model_not_found`, as OpenAI answers"),
     Key(M, "model_cfg_path", "model_cfg_path", str, original="MindFormers model yaml; its `load_checkpoint` names the weights",
         here="same: the checkpoint named by `load_checkpoint` (a `.ckpt`, or a folder with one) is loaded. A missing "
              "yaml, key or checkpoint stops the start with a line naming it, never another model"),

@@ -80,6 +80,14 @@ def as_hosts(v: Any) -> list[str]:
     return [str(h) for h in v]
 
 
+def as_names(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(n, str) and n for n in v):
+        raise ValueError(v)
+    return list(v)
+
+
 def as_blocks(v: Any) -> int:
     """pa_config.num_blocks: a count, or "auto" (0)."""
     return 0 if str(v).strip().lower() == "auto" else as_int(v)
@@ -97,7 +105,7 @@ def lower(value: Any) -> str:
 
 
 WHAT = {as_int: "an integer", as_float: "a number", as_bool: "true or false", parse_bytes: "a byte count such as 8GiB",
-        as_blocks: "an integer or auto", as_cores: "a list of core lists", as_hosts: "a list of hosts",
+        as_blocks: "an integer or auto", as_names: "a name or a list of names", as_cores: "a list of core lists", as_hosts: "a list of hosts",
         str: "a string"}
 
 

@@ -56,7 +56,13 @@ class TextTokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.tok.id_to_token(token_id) or ""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders `tools` and tool calls itself (HF's convention)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             # Plain fallback so chat still works on models without a template.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -68,7 +74,8 @@ class TextTokenizer:
         bos = next((k for k, v in special.items() if v == self.bos_token_id), "")
         eos = next((k for k, v in special.items() if v in self.eos_token_ids), "")
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+            tools=tools)
 
 
 def load_tokenizer(files: ModelFiles, tokenizer_path: str | None = None,

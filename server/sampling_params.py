@@ -35,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0  # top-n alternatives per token
     priority: int = 0
+    grammar: str | None = None  # llguidance grammar text the output must match (common/grammar.py)
 
     def validate(self) -> "SamplingParams":
         floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
@@ -62,6 +63,8 @@ class SamplingParams:
              f"stop must be at most 16 non-empty strings of at most {MAX_STOP_CHARS} characters"),
             (len(self.stop_token_ids) <= 64 and all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
              "stop_token_ids must be at most 64 non-negative token ids"),
+            (not (self.grammar and self.ignore_eos), "ignore_eos cannot be combined with a grammar or "
+             "response_format: a finished grammar allows only the end of the sequence"),
         ]
         for ok, msg in checks:
             if not ok:

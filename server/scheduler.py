@@ -71,6 +71,7 @@ class Planned:
     start: int = 0  # position of the row's first token (the sequence's `computed` when planned)
     output_len: int = 0  # tokens the sequence had generated before this row's sample (in flight included)
     epoch: int = 0  # the sequence's preemptions when planned: its blocks are still the same while equal
+    admitted: bool = False  # its first row since it was (re)admitted: the agent gets its grammar again
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Scheduler:
                 break
             self.waiting.remove(ready.pop(0))
             self.running.append(seq)
-            plan.append(Planned(seq, n, n == seq.remaining))
+            plan.append(Planned(seq, n, n == seq.remaining, admitted=True))
             budget -= n
             prefill_rows += 1
         if self.pads_cost:

@@ -42,9 +42,10 @@ class GroupClient:
         for r in self.ranks:
             r.check_alive()
 
-    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None) -> None:
+    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None,
+                  grammars: list[list[Any]] | None = None) -> None:
         for r in self.ranks:
-            r.send_step(dims, free, has_prefill, slot, tag)
+            r.send_step(dims, free, has_prefill, slot, tag, grammars)
 
     def send_heartbeat(self) -> None:
         for r in self.ranks:

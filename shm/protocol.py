@@ -15,7 +15,7 @@ import msgpack
 
 # 2: the handshake carries KV geometry and model identity; `e` detaches instead of exiting.
 # 3: `a` rows are fed by the agent's own last samples (`feed` column); arena slots, a step names its `slot`.
-VERSION = 3
+VERSION = 4  # 4: steps may carry `grammars`
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
 COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT})
@@ -101,11 +101,22 @@ def _check_header(cmd: bytes, header: dict[str, Any]) -> None:
                 raise ProtocolError(f"negative {key}")
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in header["free"]):
             raise ProtocolError("free must list integer sequence ids")
+        _check_grammars(header.get("grammars", []))
     if cmd == HANDSHAKE:
         for key, names, typ in (("geometry", GEOMETRY_KEYS, int), ("model", MODEL_KEYS, str)):
             for name in names:
                 if not isinstance(header[key].get(name), typ) or isinstance(header[key].get(name), bool):
                     raise ProtocolError(f"#: {key}.{name} missing or not {typ.__name__}")
+
+
+def _check_grammars(grammars: Any) -> None:
+    """A step's `grammars`: [seq_id, grammar text, [output ids so far]] per constrained sequence it
+    (re)admits."""
+    if not isinstance(grammars, list) or not all(
+            isinstance(g, list) and len(g) == 3 and isinstance(g[0], int) and isinstance(g[1], str)
+            and isinstance(g[2], list) and all(isinstance(t, int) and not isinstance(t, bool) for t in g[2])
+            for g in grammars):
+        raise ProtocolError("grammars must list [sequence id, grammar, [output ids]]")
 
 
 def encode_reply(ok: bool, body: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> list[bytes]:

@@ -177,15 +177,18 @@ class AgentClient:
         self.pid = self.info.pid
         return self.info
 
-    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None) -> None:
+    def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None,
+                  grammars: list[list[Any]] | None = None) -> None:
         """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step`
         returns this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is
         fed by the agent's own last sample (`a`). Up to one step per slot may be in flight; `tag`
-        (not None) is kept with it until its reply (`steps()`)."""
+        (not None) is kept with it until its reply (`steps()`). `grammars`: the constrained
+        sequences this step (re)admits (shm/protocol.py)."""
         frames = None if self.local else self.arenas[slot].input_frames(dims)
-        self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP,
-                  {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot,
-                   "free": free}, frames, dims, slot, tag)
+        header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free}
+        if grammars:
+            header["grammars"] = grammars
+        self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP, header, frames, dims, slot, tag)
 
     def poll_step(self, timeout_s: float) -> StepReply | None:
         """The reply to the oldest step in flight (its outputs are then in its slot), or None."""

@@ -32,7 +32,8 @@ def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -
     buckets = {"seq_length": serving.pop("seq_length", [16, 32]),
                "decode_batch_size": serving.pop("decode_batch_size", [1, 4, 8])}
     doc = {
-        "model_config": {"model_name": "tiny", "model_path": str(model_dir), "max_generate_length": 128,
+        "model_config": {"model_name": "tiny", "model_path": str(model_dir),
+                         "max_generate_length": serving.pop("max_generate_length", 128),
                          **buckets, "prefill_batch_size": [2], "zactivate_len": [64]},
         "serving_config": {"agent_ports": [free_port() for _ in range(n_agents)], "server_ip": "127.0.0.1",
                            "server_port": free_port(), "compile_cache_dir": str(tmp / "mscache"), **serving},

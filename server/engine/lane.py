@@ -106,7 +106,10 @@ class AgentLane:
         slot = self.client.next_slot()
         dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)
         step = InFlight(plan, slot, 0.0, 0.0)
-        self.client.send_step(dims, free=plan.freed, has_prefill=plan.has_prefill, slot=slot, tag=step)
+        grammars = [[p.seq.seq_id, p.seq.params.grammar, list(p.seq.output)] for p in plan.rows
+                    if p.admitted and p.seq.params.grammar]
+        self.client.send_step(dims, free=plan.freed, has_prefill=plan.has_prefill, slot=slot, tag=step,
+                              grammars=grammars)
         self.sent_at = step.sent_at = time.monotonic()
         step.prepare_s = self.sent_at - planned_at
 

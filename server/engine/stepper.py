@@ -104,7 +104,8 @@ class Stepper:
                 self.requests.end(req, "cancelled")
             elif row is not None and token is None:  # this row's sampling failed on the agent; its neighbours went on
                 # Validated parameters cannot cause it (server/sampling_params.py): a server error.
-                why = f"request {req.request_id}: sampling failed: the model's probabilities were not finite"
+                why = (f"request {req.request_id}: sampling failed: " + ("its grammar allows no token here"
+                       if req.params.grammar else "the model's probabilities were not finite"))
                 log.error("%s", why)
                 self.requests.end(req, "error", why)
             elif token is not None:

@@ -33,7 +33,7 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
         if request.url.path.startswith("/v1/"):
-            body: dict[str, Any] = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
+            body: dict[str, Any] = {"error": {"message": exc.message, "type": exc.kind, "code": exc.code}}
         else:
             body = {"error": exc.message, "error_type": exc.kind}
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)

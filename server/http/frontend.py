@@ -4,18 +4,21 @@ handlers turn into 4xx/5xx JSON."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request as HttpRequest
 
+from common import grammar
 from common.config import ServingConfig
 from server.engine.engine import Engine, QueueFull
 from server.request import Delta, Request, Sink
 from server.prompts import encode_prompt
-from server.sampling_params import SamplingParams
+from server.sampling_params import InvalidRequest, SamplingParams
 from common.tokenizer import TextTokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -30,14 +33,31 @@ class Result:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers or {}
+        self.code = code or status
 
 
 class Frontend:
     def __init__(self, engine: Engine, cfg: ServingConfig, tok: TextTokenizer):
         self.engine, self.cfg, self.tok = engine, cfg, tok
+        self._ll_lock = threading.Lock()
+
+    @functools.cached_property
+    def _ll_tokenizer(self) -> Any:
+        return grammar.ll_tokenizer(self.tok)  # ~0.2 s: built at the first constrained request
+
+    @property
+    def served_names(self) -> list[str]:
+        return [self.cfg.model_name, *self.cfg.model_aliases]
+
+    def check_model(self, name: str | None) -> None:
+        """A request's `model`: absent, or a name this server serves (OpenAI's 404 otherwise)."""
+        if name is not None and name not in self.served_names:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves {self.served_names}",
+                           code="model_not_found")
 
     @staticmethod
     def of(http: HttpRequest) -> "Frontend":
@@ -45,8 +65,19 @@ class Frontend:
         return http.app.state.frontend
 
     async def prepare(self, text: Any, params: SamplingParams, default_new: int | None = None) -> list[int]:
-        """Tokenise off the event loop: other clients and /health answer while a huge prompt is read."""
+        """Tokenise off the event loop: other clients and /health answer while a huge prompt is read
+        (and a grammar is checked against the tokenizer)."""
+        if params.grammar:
+            await asyncio.to_thread(self._check_grammar, params.grammar)
         return await asyncio.to_thread(encode_prompt, self.tok, self.cfg, text, params, default_new)
+
+    def _check_grammar(self, text: str) -> None:
+        with self._ll_lock:
+            tok = self._ll_tokenizer
+        try:
+            grammar.check(text, tok)
+        except grammar.GrammarError as exc:
+            raise InvalidRequest(f"the grammar cannot be used: {exc}") from None
 
     def prompt_text(self, prompt: Any, ids: list[int]) -> str:
         """The prompt as text, for return_full_text (token-id prompts are decoded)."""

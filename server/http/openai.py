@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.http.frontend import Frontend, primed, sse
 from server.http.schemas import ChatRequest, CompletionRequest
+from server.http.structured import parse_tool_calls
 from server.request import Delta
-from server.sampling_params import InvalidRequest
+from server.sampling_params import InvalidRequest, SamplingParams
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -47,60 +48,85 @@ async def _prompt(f: Frontend, body: CompletionRequest | ChatRequest) -> Any:
     if isinstance(body, CompletionRequest):
         prompt = body.prompt
         return prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+    native = f.tok.template_has_tools
+    tools = [t.model_dump(exclude_none=True) for t in body.callable_tools] if native else None
     try:
-        return await asyncio.to_thread(f.tok.apply_chat_template, body.chat(), True)
+        return await asyncio.to_thread(f.tok.apply_chat_template, body.chat(native), True, tools or None)
     except Exception as exc:  # a template may raise on unexpected roles or order
         raise InvalidRequest(f"the chat template rejected the messages: {exc}") from None
 
 
+def _message(body: CompletionRequest | ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """The reply's message and finish reason: tool calls where the text is a call of the request's tools."""
+    calls = parse_tool_calls(text, body.callable_tools) if isinstance(body, ChatRequest) and body.callable_tools else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, _reason(reason)
+
+
 async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest) -> Response:
+    f.check_model(body.model)
     chat = isinstance(body, ChatRequest)
     params = body.to_sampling_params()
     prompt = await _prompt(f, body)
     ids = await f.prepare(prompt, params)
     echo = f.prompt_text(prompt, ids) if body.echo else ""
-    want_lp = params.logprobs > 0
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     obj = "chat.completion" if chat else "text_completion"
     base = {"id": rid, "object": obj, "created": int(time.time()), "model": body.model or f.cfg.model_name}
-    if not body.stream:
-        r = await f.collect(http, ids, params)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(r.finish_reason),
-                                  "logprobs": _logprobs(f, r.tokens, chat) if want_lp else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": r.text}
-        else:
-            choice["text"] = echo + r.text
-        return JSONResponse({**base, "choices": [choice], "usage": _usage(len(ids), len(r.tokens))})
-
-    async def chunks() -> AsyncIterator[str]:
-        n = 0
+    if body.stream:
         head = {**base, "object": obj + ".chunk" if chat else obj}
-        if chat:
-            yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None, "logprobs": None}]})
-        elif echo:
-            yield sse({**head, "choices": [{"index": 0, "text": echo, "finish_reason": None, "logprobs": None}]})
-        async for d in f.stream(http, ids, params):
-            if d.error:
-                yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
-                break
-            n += d.token_id is not None
-            toks = [d] if d.token_id is not None else []
-            if not d.text and not d.finish_reason and not (want_lp and toks):
-                continue
-            choice = {"index": 0, "finish_reason": _reason(d.finish_reason) if d.finish_reason else None,
-                      "logprobs": _logprobs(f, toks, chat) if want_lp and toks else None}
-            if chat:
-                choice["delta"] = {"content": d.text} if d.text else {}
-            else:
-                choice["text"] = d.text
-            yield sse({**head, "choices": [choice]})
-        if body.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(len(ids), n)})
-        yield "data: [DONE]\n\n"
+        return StreamingResponse(await primed(_chunks(http, f, body, ids, params, head, echo)),
+                                 media_type="text/event-stream")
+    r = await f.collect(http, ids, params)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(r.finish_reason),
+                              "logprobs": _logprobs(f, r.tokens, chat) if params.logprobs else None}
+    if chat:
+        choice["message"], choice["finish_reason"] = _message(body, r.text, r.finish_reason)
+    else:
+        choice["text"] = echo + r.text
+    return JSONResponse({**base, "choices": [choice], "usage": _usage(len(ids), len(r.tokens))})
 
-    return StreamingResponse(await primed(chunks()), media_type="text/event-stream")
+
+async def _chunks(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest, ids: list[int],
+                  params: SamplingParams, head: dict[str, Any], echo: str) -> AsyncIterator[str]:
+    """The stream. With tools to call, a chat reply's text is held to its end: then it goes as one
+    `tool_calls` delta (index, id, name, the whole arguments), or as content if it is no call."""
+    chat, want_lp = isinstance(body, ChatRequest), params.logprobs > 0
+    hold = chat and bool(body.callable_tools)
+    held, n = [], 0
+    if chat:
+        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None, "logprobs": None}]})
+    elif echo:
+        yield sse({**head, "choices": [{"index": 0, "text": echo, "finish_reason": None, "logprobs": None}]})
+    async for d in f.stream(http, ids, params):
+        if d.error:
+            yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
+            break
+        n += d.token_id is not None
+        toks = [d] if d.token_id is not None else []
+        if hold:
+            held.append(d.text)
+            if not d.finish_reason:
+                continue
+            msg, reason = _message(body, "".join(held), d.finish_reason)
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]} \
+                if msg.get("tool_calls") else {"content": msg["content"]}
+            yield sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]})
+            continue
+        if not d.text and not d.finish_reason and not (want_lp and toks):
+            continue
+        choice = {"index": 0, "finish_reason": _reason(d.finish_reason) if d.finish_reason else None,
+                  "logprobs": _logprobs(f, toks, chat) if want_lp and toks else None}
+        if chat:
+            choice["delta"] = {"content": d.text} if d.text else {}
+        else:
+            choice["text"] = d.text
+        yield sse({**head, "choices": [choice]})
+    if body.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(len(ids), n)})
+    yield "data: [DONE]\n\n"
 
 
 @router.post("/v1/completions")
@@ -115,5 +141,5 @@ async def chat_completions(body: ChatRequest, http: HttpRequest, f: Frontend = D
 
 @router.get("/v1/models")
 async def models(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": f.cfg.model_name, "object": "model", "created": 0,
-                                        "owned_by": "llm-serving", "max_model_len": f.cfg.max_model_len}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llm-serving",
+                                        "max_model_len": f.cfg.max_model_len} for name in f.served_names]}

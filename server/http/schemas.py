@@ -1,15 +1,18 @@
 """Request bodies of every API as pydantic models, parsed once: FastAPI validates them (a bad field is
 a 400 naming it), `/openapi.json` (and `/docs`) describe them, and each dialect's model turns itself
 into SamplingParams (`to_sampling_params`). Lax as the original's clients need (booleans and numbers
-may arrive as strings: "True", "0.7"; null means absent), never a boolean where a number belongs;
-unknown fields are kept and ignored. The sampling knobs every dialect shares are declared once
-(`SamplingFields`)."""
+may arrive as strings: "True", "0.7"; null means absent), never a boolean where a number belongs.
+A field no model declares is a 400 naming it (nothing a client sends is ignored silently), but for
+the few in IGNORED that ask for no action here. The sampling knobs every dialect shares are declared
+once (`SamplingFields`); structured output and tools are server/http/structured.py's."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from server.http.structured import (ResponseFormat, TgiGrammar, Tool, ToolChoice, call_grammar, chosen_tools,
+                                    compile_format, compile_tgi, tools_system_prompt)
 from server.sampling_params import InvalidRequest, SamplingParams
 
 
@@ -37,13 +40,17 @@ TokenIds = Annotated[list[StrictInt], BeforeValidator(_bounded_ids)]  # strict: 
 Prompt = Union[str, TokenIds]
 
 
+# Fields clients send that need no action here (OpenAI's end-user id, tags, storage and tier hints).
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
 class Lax(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        return {k: v for k, v in data.items() if v is not None and k not in IGNORED} if isinstance(data, dict) else data
 
 
 class SamplingFields(Lax):
@@ -80,9 +87,23 @@ class GenerationParameters(SamplingFields):
     details: bool | None = None
     top_n_tokens: Int = 0
     return_protocol: str = "sse"  # original only: "sse" or anything else for `data:` lines
+    grammar: TgiGrammar | None = None
+    # TGI's, honoured at their defaults only (a 400 otherwise, never silence)
+    typical_p: Float | None = None
+    truncate: Int | None = None
+    watermark: bool = False
+    best_of: Int | None = None
+    decoder_input_details: bool = False
+    adapter_id: str | None = None
 
     def to_sampling_params(self, top_k: int = 0) -> SamplingParams:
-        sp = self.sampling_params(self.max_new_tokens, self.top_n_tokens, top_k)
+        unsupported = {"typical_p": self.typical_p not in (None, 1.0), "truncate": self.truncate is not None,
+                       "watermark": self.watermark, "best_of": self.best_of not in (None, 1),
+                       "decoder_input_details": self.decoder_input_details, "adapter_id": self.adapter_id is not None}
+        for name, asked in unsupported.items():
+            if asked:
+                raise InvalidRequest(f"parameters.{name} is not supported by this server")
+        sp = self.sampling_params(self.max_new_tokens, self.top_n_tokens, top_k, grammar=compile_tgi(self.grammar))
         if not self.do_sample:  # greedy; the sampling knobs were still checked (a bad one is a 400 either way)
             sp.temperature, sp.top_k, sp.top_p, sp.min_p = 0.0, 0, 1.0, 0.0
         return sp
@@ -98,14 +119,30 @@ class GenerateRequest(Lax):
 class ContentPart(Lax):
     type: str
     text: str | None = None
+    image_url: Any = None  # refused with its part type below
+    input_audio: Any = None
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+class FunctionCall(Lax):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Lax):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Lax):
     role: str
-    content: Union[str, list[ContentPart]]
+    content: Union[str, list[ContentPart]] = ""  # an assistant turn that only calls tools has none
+    name: str | None = None
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -140,8 +177,9 @@ class _OpenAI(SamplingFields):
     stream_options: StreamOptions = StreamOptions()
     logit_bias: dict[str, Float] | None = None  # refused unless empty
     echo: bool = False  # /v1/completions: the prompt before the completion
+    response_format: ResponseFormat | None = None
 
-    def _openai_params(self, logprobs: int) -> SamplingParams:
+    def _openai_params(self, logprobs: int, grammar: str | None = None) -> SamplingParams:
         """OpenAI fields this server cannot honour get a 400, never silence."""
         if self.n != 1:
             raise InvalidRequest("only n=1 is supported")
@@ -150,8 +188,10 @@ class _OpenAI(SamplingFields):
         if self.logit_bias:  # {} and null change nothing
             raise InvalidRequest("logit_bias is not supported")
         most = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-        return self.sampling_params(most, logprobs,
-                                    stop_token_ids=list(self.stop_token_ids))
+        fmt = compile_format(self.response_format)
+        if fmt and grammar:
+            raise InvalidRequest("response_format cannot be combined with a required tool call")
+        return self.sampling_params(most, logprobs, stop_token_ids=list(self.stop_token_ids), grammar=fmt or grammar)
 
 
 class CompletionRequest(_OpenAI):
@@ -169,16 +209,43 @@ class ChatRequest(_OpenAI):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Int = 0
+    tools: list[Tool] = []
+    tool_choice: ToolChoice | None = None  # "auto" when there are tools
+    parallel_tool_calls: bool = True  # one call is what a required choice produces; auto parses any
+
+    @property
+    def callable_tools(self) -> list[Tool]:
+        return chosen_tools(self.tools, self.tool_choice)[0]
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
             raise InvalidRequest("echo is supported only by /v1/completions without logprobs "
                                  "(prompt logprobs are not computed)")
-        return self._openai_params((self.top_logprobs or 1) if self.logprobs else 0)
+        tools, must_call = chosen_tools(self.tools, self.tool_choice)
+        return self._openai_params((self.top_logprobs or 1) if self.logprobs else 0,
+                                   call_grammar(tools) if must_call else None)
 
-    def chat(self) -> list[dict[str, str]]:
-        """The messages as {role, content} strings, for the chat template."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def chat(self, template_has_tools: bool = False) -> list[dict[str, Any]]:
+        """The messages for the chat template: calls and tool results in the fields HF templates
+        read where the template knows tools, else as text (and the tools in a system turn)."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+            if template_has_tools:
+                msg: dict[str, Any] = {"role": m.role, "content": m.content}
+                if calls:
+                    msg["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+                out.append({**msg, **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})})
+            else:
+                text = "\n".join(f'{{"name": "{c["name"]}", "arguments": {c["arguments"]}}}' for c in calls)
+                out.append({"role": m.role, "content": m.content + text})
+        tools = self.callable_tools
+        if tools and not template_has_tools:
+            if out[0]["role"] == "system":
+                out[0]["content"] = tools_system_prompt(tools) + "\n\n" + out[0]["content"]
+            else:
+                out.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
+        return out
 
 
 class TokenizeRequest(Lax):
