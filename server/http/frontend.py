@@ -121,16 +121,52 @@ class Frontend:
                 self.engine.abort(rid)
 
     async def collect(self, http: HttpRequest, ids: list[int], params: SamplingParams) -> Result:
-        tokens, text, reason = [], "", "cancelled"
-        async for d in self.stream(http, ids, params):
+        return (await self.collect_all(http, ids, [params]))[0]
+
+    async def collect_all(self, http: HttpRequest, ids: list[int], params: list[SamplingParams]) -> list[Result]:
+        """One Result per choice (`fan_out`)."""
+        out = [Result("", [], "cancelled", len(ids)) for _ in params]
+        async for i, d in self.fan_out(http, ids, params):
+            r = out[i]
             if d.token_id is not None:
-                tokens.append(d)
-            text += d.text
+                r.tokens.append(d)
+            r.text += d.text
             if d.finish_reason:
-                reason = d.finish_reason
+                r.finish_reason = d.finish_reason
                 if d.error:
                     raise ApiError(d.status, d.error, "server_error" if d.status == 500 else "unavailable")
-        return Result(text, tokens, reason, len(ids))
+        return out
+
+    async def fan_out(self, http: HttpRequest, ids: list[int], params: list[SamplingParams]
+                      ) -> AsyncIterator[tuple[int, Delta]]:
+        """The events of one request per parameter set (OpenAI's `n` choices), tagged with their index.
+        The first runs alone until its first event, so its prompt's KV blocks are in the prefix cache
+        when the others start: the prompt is prefilled once."""
+        queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            try:
+                async for d in self.stream(http, ids, params[i]):
+                    await queue.put((i, d))
+                await queue.put((i, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put((i, exc))
+
+        tasks, ended = [asyncio.create_task(run(0))], 0
+        try:
+            while ended < len(params):
+                i, item = await queue.get()
+                if len(tasks) == 1 and len(params) > 1:
+                    tasks += [asyncio.create_task(run(k)) for k in range(1, len(params))]
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    ended += 1
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
 
     def token_json(self, d: Delta) -> dict[str, Any]:
         return {"id": d.token_id, "logprob": d.logprob, "special": self.tok.is_special(d.token_id or -1), "text": d.text}

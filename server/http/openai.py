@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -64,6 +65,12 @@ def _message(body: CompletionRequest | ChatRequest, text: str, reason: str) -> t
     return {"role": "assistant", "content": text}, _reason(reason)
 
 
+def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """`n` choices: each its own seed stream where a seed is given (else the sampler's own generator)."""
+    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**63)
+            for i in range(n)]
+
+
 async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest) -> Response:
     f.check_model(body.model)
     chat = isinstance(body, ChatRequest)
@@ -74,50 +81,57 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     obj = "chat.completion" if chat else "text_completion"
     base = {"id": rid, "object": obj, "created": int(time.time()), "model": body.model or f.cfg.model_name}
+    plist = _choices(params, body.n)
     if body.stream:
         head = {**base, "object": obj + ".chunk" if chat else obj}
-        return StreamingResponse(await primed(_chunks(http, f, body, ids, params, head, echo)),
+        return StreamingResponse(await primed(_chunks(http, f, body, ids, plist, head, echo)),
                                  media_type="text/event-stream")
-    r = await f.collect(http, ids, params)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(r.finish_reason),
-                              "logprobs": _logprobs(f, r.tokens, chat) if params.logprobs else None}
-    if chat:
-        choice["message"], choice["finish_reason"] = _message(body, r.text, r.finish_reason)
-    else:
-        choice["text"] = echo + r.text
-    return JSONResponse({**base, "choices": [choice], "usage": _usage(len(ids), len(r.tokens))})
+    choices = []
+    results = await f.collect_all(http, ids, plist)
+    for i, r in enumerate(results):
+        choice: dict[str, Any] = {"index": i, "finish_reason": _reason(r.finish_reason),
+                                  "logprobs": _logprobs(f, r.tokens, chat) if params.logprobs else None}
+        if chat:
+            choice["message"], choice["finish_reason"] = _message(body, r.text, r.finish_reason)
+        else:
+            choice["text"] = echo + r.text
+        choices.append(choice)
+    return JSONResponse({**base, "choices": choices, "usage": _usage(len(ids), sum(len(r.tokens) for r in results))})
 
 
 async def _chunks(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest, ids: list[int],
-                  params: SamplingParams, head: dict[str, Any], echo: str) -> AsyncIterator[str]:
-    """The stream. With tools to call, a chat reply's text is held to its end: then it goes as one
-    `tool_calls` delta (index, id, name, the whole arguments), or as content if it is no call."""
-    chat, want_lp = isinstance(body, ChatRequest), params.logprobs > 0
+                  plist: list[SamplingParams], head: dict[str, Any], echo: str) -> AsyncIterator[str]:
+    """The stream, choices interleaved by `index`. With tools to call, a chat reply's text is held
+    to its end: then it goes as one `tool_calls` delta (index, id, name, the whole arguments), or as
+    content if it is no call."""
+    chat, want_lp = isinstance(body, ChatRequest), plist[0].logprobs > 0
     hold = chat and bool(body.callable_tools)
-    held, n = [], 0
-    if chat:
-        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None, "logprobs": None}]})
-    elif echo:
-        yield sse({**head, "choices": [{"index": 0, "text": echo, "finish_reason": None, "logprobs": None}]})
-    async for d in f.stream(http, ids, params):
+    held: list[list[str]] = [[] for _ in plist]
+    n = 0
+    for i in range(len(plist)):
+        if chat:
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None, "logprobs": None}]})
+        elif echo:
+            yield sse({**head, "choices": [{"index": i, "text": echo, "finish_reason": None, "logprobs": None}]})
+    async for i, d in f.fan_out(http, ids, plist):
         if d.error:
             yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
             break
         n += d.token_id is not None
         toks = [d] if d.token_id is not None else []
         if hold:
-            held.append(d.text)
+            held[i].append(d.text)
             if not d.finish_reason:
                 continue
-            msg, reason = _message(body, "".join(held), d.finish_reason)
-            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]} \
+            msg, reason = _message(body, "".join(held[i]), d.finish_reason)
+            delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]} \
                 if msg.get("tool_calls") else {"content": msg["content"]}
-            yield sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]})
+            yield sse({**head, "choices": [{"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}]})
             continue
         if not d.text and not d.finish_reason and not (want_lp and toks):
             continue
-        choice = {"index": 0, "finish_reason": _reason(d.finish_reason) if d.finish_reason else None,
+        choice = {"index": i, "finish_reason": _reason(d.finish_reason) if d.finish_reason else None,
                   "logprobs": _logprobs(f, toks, chat) if want_lp and toks else None}
         if chat:
             choice["delta"] = {"content": d.text} if d.text else {}

@@ -40,6 +40,8 @@ TokenIds = Annotated[list[StrictInt], BeforeValidator(_bounded_ids)]  # strict: 
 Prompt = Union[str, TokenIds]
 
 
+MAX_CHOICES = 16  # OpenAI's `n`: choices of one request, each a sequence of its own
+
 # Fields clients send that need no action here (OpenAI's end-user id, tags, storage and tier hints).
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
@@ -181,10 +183,10 @@ class _OpenAI(SamplingFields):
 
     def _openai_params(self, logprobs: int, grammar: str | None = None) -> SamplingParams:
         """OpenAI fields this server cannot honour get a 400, never silence."""
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of is not supported")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}]")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequest("best_of is supported only equal to n (every choice is returned)")
         if self.logit_bias:  # {} and null change nothing
             raise InvalidRequest("logit_bias is not supported")
         most = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens

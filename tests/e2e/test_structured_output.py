@@ -187,3 +187,29 @@ def test_bad_schemas_are_400_and_the_server_goes_on(server, fmt, why):
     assert both.status_code == 400 and "ignore_eos" in both.text
     assert httpx.post(f"{server.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}},
                       timeout=60).status_code == 200
+
+
+def test_n_choices_share_one_prefill(server):
+    """n=4: four choices, each its own seed stream; the prompt is computed once and the other three
+    take its blocks from the prefix cache. Streamed, the same choices come interleaved by index."""
+    c = _client(server)
+
+    def computed() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith("llm_serving_prefill_tokens_computed_total"))
+
+    prompt = "a prompt long enough to fill several KV blocks of four tokens each"
+    before = computed()
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, extra_body={"ignore_eos": True}, seed=11)
+    n_prompt = r.usage.prompt_tokens
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and len({ch.text for ch in r.choices}) > 1
+    assert r.usage.completion_tokens == 32
+    assert computed() - before < 2 * n_prompt  # once in full, then only each choice's last partial block
+    alone = [c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True}, seed=11 + i).choices[0].text
+             for i in range(4)]
+    assert [ch.text for ch in r.choices] == alone
+    streamed = ["", "", "", ""]
+    for ch in c.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, extra_body={"ignore_eos": True}, seed=11, stream=True):
+        for choice in ch.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == alone
