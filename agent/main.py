@@ -151,7 +151,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     calibration = tok.encode(CALIBRATION_TEXT) if int8 else None
     # The ranks of a group sample alike: one seed per replica.
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp, calibration=calibration)
-    runner.seqs.grammars = Grammars(ll_tokenizer(tok, model_cfg.vocab_size), model_cfg.vocab_size)
+    runner.seqs.grammars = Grammars(ll_tokenizer(tok, model_cfg.vocab_size), model_cfg.vocab_size, runner.lib)
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,

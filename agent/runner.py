@@ -30,7 +30,7 @@ class ModelRunner:
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
-        lib = kernels.library() if rc.native_kernels else None
+        self.lib = lib = kernels.library() if rc.native_kernels else None
         self.native_kernels = lib is not None
         int8 = rc.model_dtype == "int8"
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None

@@ -105,7 +105,7 @@ def step_cost(rows: int, context: int, steps: int, rounds: int) -> None:
                       token_buckets=[rows], max_running=rows, model_dtype="int8")
     tok = load_tokenizer(files)
     runner = ModelRunner(cfg, weights, rc, calibration=tok.encode("calibration text for the int8 scales"))
-    g = runner.seqs.grammars = Grammars(grammar.ll_tokenizer(tok, cfg.vocab_size), cfg.vocab_size)
+    g = runner.seqs.grammars = Grammars(grammar.ll_tokenizer(tok, cfg.vocab_size), cfg.vocab_size, runner.lib)
     text = grammar.from_json_schema(SCHEMA)
     arena = Arena.private(ArenaSpec(rows, rows, per_seq))
     greedy = SamplingParams()
