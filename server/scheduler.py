@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from server.block_manager import BlockManager
 from common.config import ServingConfig
 from server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # server.request imports this module
+    from server.request import Request
 
 _ids = itertools.count(1)
 # A step pads to its token bucket, and padding costs as much as tokens (SmolLM2 fp32 on 2 Zen 3
@@ -37,7 +40,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     arrival: float
-    request: Any = None  # the engine's request record
+    request: "Request | None" = None  # the engine's request record
     seq_id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose K/V are in the cache

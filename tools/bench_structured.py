@@ -59,8 +59,11 @@ def serving(base_url: str, model: str, max_tokens: int) -> None:
         ask = [{"role": "user", "content": f"Review {s} as JSON with keys name, score (0-10) and tags."}]
         free = c.chat.completions.create(model=model, messages=ask, max_tokens=max_tokens, temperature=0)
         counts["free text asked for JSON: valid"] += _valid(free.choices[0].message.content)
-        parsed = c.chat.completions.parse(model=model, messages=ask, response_format=Review, max_tokens=max_tokens)
-        counts["parse (pydantic)"] += isinstance(parsed.choices[0].message.parsed, Review)
+        try:
+            parsed = c.chat.completions.parse(model=model, messages=ask, response_format=Review, max_tokens=max_tokens)
+            counts["parse (pydantic)"] += isinstance(parsed.choices[0].message.parsed, Review)
+        except openai.LengthFinishReasonError:  # valid so far, cut by max_tokens: counted as a failure
+            pass
         obj = c.chat.completions.create(model=model, messages=ask, max_tokens=max_tokens,
                                         response_format={"type": "json_object"})
         try:
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="a running server: the 20-prompt validity counts")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--step", action="store_true", help="the step cost of constrained rows (in process)")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=128)
