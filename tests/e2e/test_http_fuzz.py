@@ -30,11 +30,30 @@ EXTREME = st.one_of(
     st.lists(st.text(max_size=4), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
 SAMPLING = ["max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "stop", "ignore_eos", "do_sample", "return_full_text", "details",
-            "top_n_tokens", "priority"]
+            "top_n_tokens", "priority", "grammar"]
 OPENAI = ["max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-          "top_logprobs", "n", "best_of", "stream", "stream_options", "priority"]
+          "top_logprobs", "n", "best_of", "stream", "stream_options", "priority", "response_format", "tools",
+          "tool_choice"]
 PROMPTS = st.one_of(st.just("fuzz me"), st.lists(st.integers(0, 271), min_size=1, max_size=6), EXTREME)
+# Grammars: regexes and schemas that are valid, broken or hostile (nested, huge, wrong types).
+SCHEMAS = st.recursive(st.one_of(EXTREME, st.sampled_from([{"type": "object"}, {"type": "foo"}, {"enum": []},
+                                                           {"type": "string", "pattern": "(a|b)*c"}])),
+                       lambda inner: st.dictionaries(st.sampled_from(["type", "properties", "items", "anyOf", "enum",
+                                                                      "required", "pattern", "x"]), inner, max_size=3),
+                       max_leaves=8)
+REGEXES = st.one_of(st.text(max_size=12), st.sampled_from(["[a-", "(a|b)*c", "a{1000000}", "(?=x)", "\\", "a" * 70000]))
+STRUCTURED = {
+    "response_format": st.one_of(EXTREME, st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object",
+                                                                                          "json_schema", "x"])}),
+                                 st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.one_of(
+                                     EXTREME, st.fixed_dictionaries({"name": st.just("a"), "schema": SCHEMAS}))})),
+    "tools": st.one_of(EXTREME, st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.one_of(
+        EXTREME, st.fixed_dictionaries({"name": st.text(max_size=6), "parameters": SCHEMAS}))}), max_size=2)),
+    "tool_choice": st.one_of(EXTREME, st.sampled_from(["auto", "none", "required"])),
+    "grammar": st.one_of(EXTREME, st.fixed_dictionaries({"type": st.sampled_from(["regex", "json", "x"]),
+                                                         "value": st.one_of(REGEXES, SCHEMAS)})),
+}
 INNOCENT = ["innocent one", "innocent two", "innocent three"]
 
 
@@ -51,12 +70,12 @@ def requests_(draw):
         else:
             body["prompt"] = draw(PROMPTS)
         for key in draw(st.lists(st.sampled_from(OPENAI), max_size=3, unique=True)):
-            body[key] = draw(EXTREME)
+            body[key] = draw(STRUCTURED.get(key, EXTREME))
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     else:
         params = {"max_new_tokens": 4}
         for key in draw(st.lists(st.sampled_from(SAMPLING), max_size=3, unique=True)):
-            params[key] = draw(EXTREME)
+            params[key] = draw(STRUCTURED.get(key, EXTREME))
         body = {"inputs": draw(PROMPTS), "parameters": draw(st.one_of(st.just(params), EXTREME))}
         if kind == "orig_model":
             body["stream"] = draw(EXTREME)
