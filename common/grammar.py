@@ -16,8 +16,9 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is 
 # llguidance's parser limits (lexer fuel, items per step, grammar size): building a matcher or a mask
 # past them is an error, never a stall.
 LIMITS = llg.LLParserLimits()
-# Compact JSON as OpenAI's structured outputs write it: no free whitespace for a model to ramble in.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# JSON as models write it (a space, or a newline and an indent) but no run of whitespace to ramble in:
+# SmolLM2 at temperature 1 closed 16 of 20 `json_object` replies so, 12 of 20 with no whitespace at all.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "whitespace_pattern": r"(\n {0,12}| )?"}
 
 
 class GrammarError(ValueError):

@@ -64,7 +64,7 @@ def test_json_schema_holds_on_a_random_model(server, temperature):
     c = _client(server)
     for p in PROMPTS:
         r = c.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": p}], response_format=Answer,
-                                     max_tokens=80, temperature=temperature, seed=7)
+                                     max_tokens=300, temperature=temperature, seed=7)
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         assert _valid(r.choices[0].message.parsed.model_dump())
 
@@ -72,7 +72,7 @@ def test_json_schema_holds_on_a_random_model(server, temperature):
 def test_json_object_and_tgi_regex_and_json(server):
     c = _client(server)
     free = [c.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text for p in PROMPTS]
-    r = c.completions.create(model="tiny-alias", prompt="hello", max_tokens=80, temperature=0, extra_body={
+    r = c.completions.create(model="tiny-alias", prompt="hello", max_tokens=300, temperature=0, extra_body={
         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}})
     assert _parses(r.choices[0].text)
     assert not any(_parses(t) for t in free)  # unconstrained, the random model writes no such JSON
@@ -80,7 +80,7 @@ def test_json_object_and_tgi_regex_and_json(server):
         body = {"inputs": p, "parameters": {"max_new_tokens": 20, "grammar": {"type": "regex", "value": "[0-9]{3}-[a-c]{2}"}}}
         out = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
         assert re.fullmatch("[0-9]{3}-[a-c]{2}", out["generated_text"]), out
-        body["parameters"].update(grammar={"type": "json", "value": SCHEMA}, max_new_tokens=80, do_sample=True, seed=3)
+        body["parameters"].update(grammar={"type": "json", "value": SCHEMA}, max_new_tokens=300, do_sample=True, seed=3)
         out = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
         assert _valid(json.loads(out["generated_text"])), out
 
@@ -89,7 +89,7 @@ def test_required_tool_calls_parse_and_stream_the_same(server):
     c = _client(server)
     for p in PROMPTS:
         args = dict(model="tiny", messages=[{"role": "user", "content": p}], tools=TOOLS, tool_choice="required",
-                    max_tokens=100, temperature=0)
+                    max_tokens=300, temperature=0)
         r = c.chat.completions.create(**args)
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
         [call] = r.choices[0].message.tool_calls
@@ -99,7 +99,7 @@ def test_required_tool_calls_parse_and_stream_the_same(server):
         assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == \
             [(0, call.function.name, call.function.arguments)]
     named = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "sum"}], tools=TOOLS,
-                                      tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=100)
+                                      tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=300)
     assert named.choices[0].message.tool_calls[0].function.name == "add"
     history = [{"role": "user", "content": "weather?"},
                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -113,7 +113,8 @@ def test_constrained_rows_beside_others_through_preemption(tmp_path, tiny_model_
     """Four constrained and two free requests at once on a pool that holds about one: sequences are
     preempted and recomputed (their grammars rebuilt from their outputs so far on the agent), fed
     decodes run overlapped, and every constrained reply still parses; greedy ones equal alone."""
-    server = ServerProcess(tiny_config(tmp_path, tiny_model_dir, num_blocks=26, block_size=4, decode_seq_length=96))
+    server = ServerProcess(tiny_config(tmp_path, tiny_model_dir, num_blocks=66, block_size=4, decode_seq_length=256,
+                                         max_generate_length=256))
     try:
         _preempted(server)
     finally:
@@ -123,12 +124,12 @@ def test_constrained_rows_beside_others_through_preemption(tmp_path, tiny_model_
 def _preempted(server: ServerProcess) -> None:
     c = _client(server)
     fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
-    alone = {p: c.completions.create(model="tiny", prompt=p, max_tokens=60, temperature=0,
+    alone = {p: c.completions.create(model="tiny", prompt=p, max_tokens=220, temperature=0,
                                      extra_body=fmt).choices[0].text for p in PROMPTS}
     out: dict[str, str] = {}
 
     def one(p: str, constrained: bool) -> None:
-        out[p + str(constrained)] = c.completions.create(model="tiny", prompt=p, max_tokens=60, temperature=0,
+        out[p + str(constrained)] = c.completions.create(model="tiny", prompt=p, max_tokens=220, temperature=0,
                                                          extra_body=fmt if constrained else {}).choices[0].text
 
     threads = [threading.Thread(target=one, args=(p, True)) for p in PROMPTS]
