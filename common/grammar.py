@@ -16,9 +16,10 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is 
 # llguidance's parser limits (lexer fuel, items per step, grammar size): building a matcher or a mask
 # past them is an error, never a stall.
 LIMITS = llg.LLParserLimits()
-# JSON as models write it (a space, or a newline and an indent) but no run of whitespace to ramble in:
-# SmolLM2 at temperature 1 closed 16 of 20 `json_object` replies so, 12 of 20 with no whitespace at all.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "whitespace_pattern": r"(\n {0,12}| )?"}
+# Compact JSON, as OpenAI's structured outputs write it. Whitespace allowed between tokens (a space,
+# or a newline and an indent) did not help SmolLM2 end its replies: at temperature 1, 18/20 schema
+# replies and 11/20 `json_object` ones closed within 300 tokens, against 20/20 and 12/20 compact.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):
