@@ -16,7 +16,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 import numpy as np
@@ -141,6 +141,124 @@ def measure(fns: dict[str, Callable[[], object]], repeat: int, rounds: int) -> d
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+class Bench:
+    """The runners of each dtype variant over one model, the steps they time and the report."""
+
+    def __init__(self, args: argparse.Namespace):
+        from agent.calibrate import CALIBRATION_TEXT
+        from agent.graph_call import setup_mindspore
+        from agent.runner import ModelRunner
+        from agent.runner_config import RunnerConfig
+        from agent.weights import load_model
+        from common.model_files import resolve_model
+        from common.tokenizer import load_tokenizer
+        from server.sampling_params import SamplingParams
+        from shm.arena import Arena, ArenaSpec
+
+        self.args, self.variants = args, args.dtypes.split(",")
+        self.batches = [int(b) for b in args.batches.split(",")]
+        self.max_len = 2 * max(args.context, args.prefill)
+        files = resolve_model(args.model)
+        self.cfg, self.weights = load_model(files, max_position=self.max_len)
+        setup_mindspore(".cache/mindspore", key=f"bench|{self.cfg}|{args.batches}|{args.context}|{args.dtypes}")
+        self.bs, self.per_seq = 16, self.max_len // 16
+        calibration = load_tokenizer(files).encode(CALIBRATION_TEXT)
+        self.runners = {}
+        for v in self.variants:
+            spec, _, kv = v.partition("/")
+            dtype, _, group = spec.partition(":")
+            rc = RunnerConfig(num_blocks=1 + self.per_seq * max(self.batches), block_size=self.bs,
+                              max_model_len=self.max_len, token_buckets=self.batches + [args.prefill],
+                              max_running=max(self.batches), model_dtype=dtype, kv_cache_dtype=kv or "auto",
+                              int8_group=int(group or QUANT_GROUP_SIZE))
+            self.runners[v] = ModelRunner(self.cfg, self.weights, rc, calibration=calibration)
+            print(f"{v}: weights {self.runners[v].model.weight_bytes / 2**20:.0f} MiB")
+        self.arena = Arena.private(ArenaSpec(max(self.batches) + args.prefill, max(self.batches), self.per_seq))
+        self.greedy = SamplingParams()
+        try:
+            import torch  # noqa: F401  (optional: `pip install torch==2.13.0` adds the torch-eager column)
+            self.have_torch = True
+        except ImportError:
+            self.have_torch = False
+
+    def _row(self, i: int, tokens: np.ndarray, start: int, prompt_len: int) -> Any:
+        from shm.step import RowInput
+        return RowInput(i, tokens, start, list(range(1 + i * self.per_seq, 1 + (i + 1) * self.per_seq)), True,
+                        self.greedy, prompt_len, 0)
+
+    def decode(self, runner: Any, b: int) -> Callable[[], object]:
+        rows = [self._row(i, np.asarray([7], np.int32), self.args.context, self.args.context) for i in range(b)]
+        v = self.arena.step(self.arena.write_step(rows, self.bs))
+        return lambda: runner.step(v, [])
+
+    def prefill(self, runner: Any) -> Callable[[], object]:
+        rows = [self._row(0, np.arange(self.args.prefill, dtype=np.int32) + 100, 0, self.args.prefill)]
+        v = self.arena.step(self.arena.write_step(rows, self.bs))
+        return lambda: runner.step(v, [])
+
+    def fill_cache(self, runner: Any, rows: int) -> None:
+        """Write every decode row's context into the KV cache (prefill steps, `--prefill` tokens at a
+        time). Untouched, the cache's pages are all the kernel's one zero page, always in cache: a
+        64-row step at 192 keys then measured 64-75 ms against 94-98 ms with a written cache (the
+        serving case: the attention reads the cache from DRAM; Zen 4)."""
+        ctx, chunk = self.args.context, self.args.prefill
+        for i in range(rows):
+            for s0 in range(0, ctx, chunk):
+                toks = (np.arange(s0, min(ctx, s0 + chunk), dtype=np.int32) * 7 + i) % self.cfg.vocab_size
+                runner.step(self.arena.step(self.arena.write_step([self._row(i, toks, s0, ctx)], self.bs)), [])
+
+    def header(self) -> None:
+        print(f"CPU: {describe()}")
+        for v, r in self.runners.items():
+            print(f"{v}: {r.kernel_paths}; KV cache {r.kv_dtype}")
+        c = self.cfg
+        print(f"model {self.args.model}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}; "
+              f"decode context {self.args.context}, prefill chunk {self.args.prefill}")
+        print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'vs NumPy':>10}"
+              + (f"{'torch':>14}{'vs torch':>10}" if self.have_torch else "")
+              + "".join(f"{v:>18}{'vs ' + self.variants[0]:>14}" for v in self.variants[1:]))
+
+    def report(self, name: str, ms_fns: list[Callable[[], object]], ref: NumpyLlama, toks: np.ndarray, start: int,
+               per_token: int = 0) -> dict[str, float]:
+        fns = {"ms": ms_fns[0], "np": lambda: ref.forward(toks, start)}
+        fns.update({v: fn for v, fn in zip(self.variants[1:], ms_fns[1:])})
+        if self.have_torch:
+            tref = TorchLlama(ref)
+            diff = np.abs(tref.forward(toks, start) - ref.forward(toks, start)).max()
+            assert diff < 1e-2, f"torch and NumPy baselines disagree by {diff}"
+            fns["torch"] = lambda: tref.forward(toks, start)
+        t = measure(fns, self.args.repeat, self.args.rounds)
+        fmt = (lambda t: f"{per_token / t:>10.0f} t/s") if per_token else (lambda t: f"{t * 1e3:>11.1f} ms")
+        line = f"{name:<22}{fmt(t['ms'])}{fmt(t['np'])}{t['np'] / t['ms']:>9.2f}x"
+        if self.have_torch:
+            line += f"{fmt(t['torch'])}{t['torch'] / t['ms']:>9.2f}x"
+        line += "".join(f"{fmt(t[v]):>18}{t['ms'] / t[v]:>13.2f}x" for v in self.variants[1:])
+        print(line, flush=True)
+        return t
+
+    def streaming_limit(self) -> None:
+        """A one-row decode step reads every weight once: memory bandwidth bounds it. Timed again
+        without the NumPy baseline between calls (OpenBLAS's threads keep spinning on both cores
+        after its calls: B=1 int8 measured 16.8 ms interleaved, 12.5-14 ms alone), with the read
+        bandwidth measured in every round next to that round's steps (it drifts 20-25 GB/s between
+        runs minutes apart, Zen 3): each round gives a ratio."""
+        cores, rounds = len(os.sched_getaffinity(0)), self.args.rounds
+        fns = {v: self.decode(r, 1) for v, r in self.runners.items()}
+        bws, alone = [], {v: [] for v in self.runners}
+        for _ in range(rounds):
+            bws.append(read_bandwidth(cores))
+            for v, t in measure(fns, 4 * self.args.repeat, 1).items():
+                alone[v].append(t)
+        bw = statistics.median(bws)
+        print(f"weight-streaming limit at {bw / 1e9:.1f} GB/s (read bandwidth of {cores} cores, median of {rounds} "
+              f"rounds; {min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f}):")
+        for v, r in self.runners.items():
+            ratios = [t * b / r.model.streamed_bytes for t, b in zip(alone[v], bws)]
+            print(f"  {v}: decode B=1 alone {statistics.median(alone[v]) * 1e3:.1f} ms, limit "
+                  f"{r.model.streamed_bytes / bw * 1e3:.1f} ms ({statistics.median(ratios):.2f}x: "
+                  f"median of the rounds' ratios, {min(ratios):.2f}-{max(ratios):.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
@@ -153,122 +271,18 @@ def main(argv: list[str] | None = None) -> int:
                     "int8:<group>; /<kv> picks the KV cache's dtype (bfloat16/float16/float32; default auto), e.g. "
                     "float32/bfloat16")
     args = ap.parse_args(argv)
-    variants = args.dtypes.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
-
-    from agent.calibrate import CALIBRATION_TEXT
-    from agent.runner import ModelRunner
-    from agent.runner_config import RunnerConfig
-    from agent.graph_call import setup_mindspore
-    from agent.weights import load_model
-    from common.tokenizer import load_tokenizer
-    from common.model_files import resolve_model
-    from server.sampling_params import SamplingParams
-    from shm.step import RowInput
-    from shm.arena import Arena, ArenaSpec
-
-    max_len = 2 * max(args.context, args.prefill)
-    files = resolve_model(args.model)
-    cfg, weights = load_model(files, max_position=max_len)
-    setup_mindspore(".cache/mindspore", key=f"bench|{cfg}|{args.batches}|{args.context}|{args.dtypes}")
-    bs = 16
-    per_seq = max_len // bs
-    calibration = load_tokenizer(files).encode(CALIBRATION_TEXT)
-    runners = {}
-    for v in variants:
-        spec, _, kv = v.partition("/")
-        dtype, _, group = spec.partition(":")
-        rc = RunnerConfig(num_blocks=1 + per_seq * max(batches), block_size=bs, max_model_len=max_len,
-                          token_buckets=batches + [args.prefill], max_running=max(batches), model_dtype=dtype,
-                          kv_cache_dtype=kv or "auto", int8_group=int(group or QUANT_GROUP_SIZE))
-        runners[v] = ModelRunner(cfg, weights, rc, calibration=calibration)
-        print(f"{v}: weights {runners[v].model.weight_bytes / 2**20:.0f} MiB")
-    arena = Arena.private(ArenaSpec(max(batches) + args.prefill, max(batches), per_seq))
-    greedy = SamplingParams()
-
-    def ms_decode(runner, b: int):
-        rows = [RowInput(i, np.asarray([7], np.int32), args.context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
-                         True, greedy, args.context, 0) for i in range(b)]
-        v = arena.step(arena.write_step(rows, bs))
-        return lambda: runner.step(v, [])
-
-    def fill_cache(runner, rows: int) -> None:
-        """Write every decode row's context into the KV cache (prefill steps, `args.prefill` tokens
-        at a time). Untouched, the cache's pages are all the kernel's one zero page, always in cache:
-        a 64-row step at 192 keys then measured 64-75 ms against 94-98 ms with a written cache (the
-        serving case: the attention reads the cache from DRAM; Zen 4)."""
-        for i in range(rows):
-            for s0 in range(0, args.context, args.prefill):
-                toks = (np.arange(s0, min(args.context, s0 + args.prefill), dtype=np.int32) * 7 + i) % cfg.vocab_size
-                row = RowInput(i, toks, s0, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True, greedy,
-                               args.context, 0)
-                runner.step(arena.step(arena.write_step([row], bs)), [])
-
-    def ms_prefill(runner):
-        rows = [RowInput(0, np.arange(args.prefill, dtype=np.int32) + 100, 0, list(range(1, 1 + per_seq)),
-                         True, greedy, args.prefill, 0)]
-        v = arena.step(arena.write_step(rows, bs))
-        return lambda: runner.step(v, [])
-
-    print(f"CPU: {describe()}")
-    for v in runners:
-        print(f"{v}: {runners[v].kernel_paths}; KV cache {runners[v].kv_dtype}")
-    print(f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
-          f"decode context {args.context}, prefill chunk {args.prefill}")
-    try:
-        import torch  # noqa: F401  (optional: `pip install torch==2.13.0` adds the torch-eager column)
-        have_torch = True
-    except ImportError:
-        have_torch = False
-    print(f"{'workload':<22}{'MindSpore':>14}{'NumPy':>14}{'vs NumPy':>10}" + (f"{'torch':>14}{'vs torch':>10}"
-                                                                             if have_torch else "")
-          + "".join(f"{v:>18}{'vs ' + variants[0]:>14}" for v in variants[1:]))
-
-    def report(name: str, ms_fns: list[Callable[[], object]], ref: NumpyLlama, toks: np.ndarray, start: int,
-               per_token: int = 0) -> None:
-        fns = {"ms": ms_fns[0], "np": lambda: ref.forward(toks, start)}
-        fns.update({v: fn for v, fn in zip(variants[1:], ms_fns[1:])})
-        if have_torch:
-            tref = TorchLlama(ref)
-            diff = np.abs(tref.forward(toks, start) - ref.forward(toks, start)).max()
-            assert diff < 1e-2, f"torch and NumPy baselines disagree by {diff}"
-            fns["torch"] = lambda: tref.forward(toks, start)
-        t = measure(fns, args.repeat, args.rounds)
-        fmt = (lambda t: f"{per_token / t:>10.0f} t/s") if per_token else (lambda t: f"{t * 1e3:>11.1f} ms")
-        line = f"{name:<22}{fmt(t['ms'])}{fmt(t['np'])}{t['np'] / t['ms']:>9.2f}x"
-        if have_torch:
-            line += f"{fmt(t['torch'])}{t['torch'] / t['ms']:>9.2f}x"
-        line += "".join(f"{fmt(t[v]):>18}{t['ms'] / t[v]:>13.2f}x" for v in variants[1:])
-        print(line, flush=True)
-        return t
-
-    for r in runners.values():
-        fill_cache(r, max(batches))
-    steps = {}
-    for b in batches:
-        steps[b] = report(f"decode step B={b}", [ms_decode(r, b) for r in runners.values()], NumpyLlama(cfg, weights, b, max_len), np.full((b, 1), 7, np.int64),
-               args.context)
-    report(f"prefill {args.prefill} tokens", [ms_prefill(r) for r in runners.values()], NumpyLlama(cfg, weights, 1, max_len),
-           (np.arange(args.prefill) + 100)[None], 0, per_token=args.prefill)
-    if 1 in steps:  # a one-row decode step reads every weight once: memory bandwidth bounds it
-        # Timed again without the NumPy baseline between calls: OpenBLAS's threads keep spinning on
-        # both cores after its calls (B=1 int8 measured 16.8 ms interleaved, 12.5-14 ms alone).
-        # The VM's bandwidth drifts too (20-25 GB/s between runs minutes apart, Zen 3): it is
-        # measured in every round, next to that round's steps, and each round gives a ratio.
-        cores = len(os.sched_getaffinity(0))
-        fns = {v: ms_decode(r, 1) for v, r in runners.items()}
-        bws, alone = [], {v: [] for v in runners}
-        for _ in range(args.rounds):
-            bws.append(read_bandwidth(cores))
-            for v, t in measure(fns, 4 * args.repeat, 1).items():
-                alone[v].append(t)
-        print(f"weight-streaming limit at {statistics.median(bws) / 1e9:.1f} GB/s (read bandwidth of {cores} cores, "
-              f"median of {args.rounds} rounds; {min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f}):")
-        for v, r in runners.items():
-            ratios = [t * bw / r.model.streamed_bytes for t, bw in zip(alone[v], bws)]
-            print(f"  {v}: decode B=1 alone {statistics.median(alone[v]) * 1e3:.1f} ms, limit "
-                  f"{r.model.streamed_bytes / statistics.median(bws) * 1e3:.1f} ms ({statistics.median(ratios):.2f}x: "
-                  f"median of the rounds' ratios, {min(ratios):.2f}-{max(ratios):.2f}x)")
+    b = Bench(args)
+    b.header()
+    for r in b.runners.values():
+        b.fill_cache(r, max(b.batches))
+    for n in b.batches:
+        b.report(f"decode step B={n}", [b.decode(r, n) for r in b.runners.values()],
+                 NumpyLlama(b.cfg, b.weights, n, b.max_len), np.full((n, 1), 7, np.int64), args.context)
+    b.report(f"prefill {args.prefill} tokens", [b.prefill(r) for r in b.runners.values()],
+             NumpyLlama(b.cfg, b.weights, 1, b.max_len), (np.arange(args.prefill) + 100)[None], 0,
+             per_token=args.prefill)
+    if 1 in b.batches:
+        b.streaming_limit()
     return 0
 
 
