@@ -88,6 +88,8 @@ def _g(make: Any) -> str:
 
 def chosen_tools(tools: list[Tool], choice: ToolChoice | None) -> tuple[list[Tool], bool]:
     """The tools the reply may call and whether it must call one (`required` or a named function)."""
+    if not tools and choice not in (None, "none", "auto"):
+        raise InvalidRequest("tool_choice requires tools")
     if not tools or choice == "none":
         return [], False
     if isinstance(choice, NamedToolChoice):
