@@ -88,8 +88,20 @@ def smollm2_fp32_eval(tmp_path_factory) -> dict:
         return pickle.loads(path.read_bytes())
 
 
+# The longest files (each over a minute on 2 cores): run first, so the two workers of `-n 2 --dist
+# loadfile` end together instead of one idling while the other runs a long file handed out last.
+LONGEST_FIRST = ("agent/test_tensor_parallel.py", "e2e/test_tensor_parallel_serving.py", "agent/test_families.py",
+                 "e2e/test_http_fuzz.py", "agent/test_model_runner.py", "agent/test_int8.py")
+
+
+def _weight(item: pytest.Item) -> int:
+    path = Path(item.path).as_posix()
+    return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         group = Path(item.path).parent.name
         if group in ("unit", "agent", "e2e"):
             item.add_marker(group)
+    items.sort(key=_weight)  # stable: each file's tests keep their order
