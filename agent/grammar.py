@@ -47,8 +47,7 @@ class Grammars:
     def mask(self, logits: np.ndarray, rows: list[Row]) -> np.ndarray:
         """In place: each constrained row's disallowed tokens to -inf. Returns the rows whose
         grammar is in its error state (they fail)."""
-        ahead, bits = self._next.result() if self._next is not None else ({}, None)
-        self._next = None
+        ahead, bits = self._ahead()
         now = [(m, k) for k, (_, s, m) in enumerate(rows) if ahead.get(s, (None,))[0] is not m]
         if now:  # rows without a mask computed ahead (just (re)admitted): computed here
             fresh = lln.allocate_token_bitmask(len(rows), self.vocab)
@@ -61,6 +60,14 @@ class Grammars:
         failed = np.zeros(logits.shape[0], bool)
         failed[[r for r, _, m in rows if m.is_error()]] = True
         return failed
+
+    def _ahead(self) -> tuple[dict, np.ndarray | None]:
+        """The masks computed ahead, if any and if that worked (else every mask is computed now)."""
+        job, self._next = self._next, None
+        try:
+            return job.result() if job is not None else ({}, None)
+        except Exception:  # noqa: BLE001 - computed again on the spot, where an error fails its row alone
+            return {}, None
 
     def _masked(self, logits: np.ndarray, bits: np.ndarray, rows: np.ndarray, mask_rows: np.ndarray) -> None:
         if self._apply is not None and logits.flags.c_contiguous and logits.dtype == np.float32:
