@@ -20,7 +20,8 @@ from common.procs import stopped
 from shm import protocol as P
 from shm.arena import clean_stale_segments
 from shm.curve import INSECURE_ENV, CurveKeyError, KeyFolder, exposure
-from shm.endpoint import PortInUse, agent_address, clean_stale_endpoints, dial_host, holder, is_local
+from shm.endpoint import (PortInUse, agent_address, clean_stale_endpoints, dial_host, holder, is_local,
+                          socket_path)
 
 log = logging.getLogger("llm_serving.launch")
 READY_TIMEOUT_S = 900.0  # model load + graph warm-up of one agent
@@ -106,6 +107,7 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
         if warning:
             log.warning("%s", warning)
         if is_local(cfg.bind_host(i)):
+            socket_path(port)  # a runtime folder too long for a unix socket: refused before any agent starts
             clean_stale_endpoints()
             pid = holder(port)
             if pid is not None:

@@ -13,6 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from common.config import ConfigError
+
 PREFIX = "llm-serving-agent-"
 
 
@@ -30,8 +32,15 @@ def is_local(ip: str | None) -> bool:
     return ip in ("127.0.0.1", "localhost", "", None)
 
 
+SUN_PATH_MAX = 107  # bytes of a unix socket's path (Linux's sun_path, less its NUL)
+
+
 def socket_path(port: int) -> Path:
-    return runtime_dir() / f"{PREFIX}{port}.sock"
+    path = runtime_dir() / f"{PREFIX}{port}.sock"
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise ConfigError(f"the agent socket {path} is {len(os.fsencode(path))} bytes, over the {SUN_PATH_MAX} a "
+                          "unix socket takes: set LLM_SERVING_RUNTIME_DIR to a shorter folder")
+    return path
 
 
 def lock_path(port: int) -> Path:
