@@ -14,7 +14,7 @@ from agent.graph_call import GraphCall, freeze_compile_cache
 from agent.backend import Backend
 from agent.model import LlamaConfig, LlamaModel
 from agent.runner_config import RunnerConfig, bucket
-from agent.sampling import sample
+from agent.sampling import sample, score
 from agent.sequences import SequenceState
 from agent.tensor_parallel import shard
 from common.memory import kv_dtype_for
@@ -64,12 +64,14 @@ class ModelRunner:
         return logits.asnumpy(), lse.asnumpy()
 
     def forward(self, x: StepInputs, fed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Logits [R, vocab] and log-sum-exp [R] at the last query token of every row, from one
-        graph call over the packed tokens of all rows (`fed`: the tokens with fed rows filled in)."""
+        """Logits [P, vocab] and log-sum-exp [P] at the `logit_positions` (the last query token of
+        every row first), from one graph call over the packed tokens of all rows (`fed`: the tokens
+        with fed rows filled in)."""
         qlens = x.query_lens
         n_rows, n_tokens = qlens.shape[0], x.tokens.shape[0]
         starts = self._starts(qlens, n_tokens)
         t_pad, r_pad = self.graph_for(x)
+        where = logit_positions(x, starts)
         tokens = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slots = np.zeros(t_pad, np.int32)  # padding writes into reserved block 0
@@ -82,10 +84,10 @@ class ModelRunner:
         token_rows[:n_tokens] = np.repeat(np.arange(n_rows, dtype=np.int32), qlens)
         have = min(self.rc.width, x.block_tables.shape[1])
         tables[:n_rows, :have] = x.block_tables[:, :have]
-        logit_rows = np.zeros(bucket(n_rows, self.rc.logit_rows_for(t_pad)), np.int32)
-        logit_rows[:n_rows] = starts + qlens - 1
+        logit_rows = np.zeros(bucket(where.size, self.rc.logit_rows_for(t_pad)), np.int32)
+        logit_rows[:where.size] = where
         logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows)
-        return logits[:n_rows], lse[:n_rows]
+        return logits[:where.size], lse[:where.size]
 
     def graph_for(self, x: StepInputs) -> tuple[int, int]:
         """(tokens, rows) of the graph that runs this step; ValueError if none can (checked before
@@ -95,6 +97,10 @@ class ModelRunner:
         r_pad = self.rc.rows_for(t_pad)
         if x.query_lens.shape[0] > r_pad:
             raise ValueError(f"{x.query_lens.shape[0]} rows exceed the {r_pad} of a {t_pad}-token step")
+        heads = logit_positions(x, self._starts(x.query_lens, x.tokens.shape[0])).size
+        if heads > max(self.rc.logit_rows_for(t_pad)):
+            raise ValueError(f"{heads} sampled and scored tokens exceed the {max(self.rc.logit_rows_for(t_pad))} "
+                             f"LM-head rows of a {t_pad}-token step")
         if np.any(x.slots < self.rc.block_size):  # the stack op tells padding from tokens by it
             raise ValueError("block 0 is reserved for padding: no token of a step may write it")
         return t_pad, r_pad
@@ -119,11 +125,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
+        writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
+        if v.scores.score_logprobs.size and writes:  # prompt logprobs, before anything changes the logits
+            score(x, v.sampling, starts, logit_positions(x, starts), logits, lse, v.scores)
         sampled = np.nonzero(x.sample)[0]
         # Where every row samples (decode steps), a slice: views instead of copies. The logits' copy
         # alone took ~65 us of a one-row SmolLM2 int8 step, cache-cold after the weights went through.
         rows = slice(0, sampled.size) if sampled.size == x.sample.shape[0] else sampled
-        writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
         if self.seqs.dump is not None and writes:  # before penalties change the logits in place
             self.seqs.write_dump(x, tokens, starts, logits[rows], rows)
         if sampled.size:
@@ -167,3 +175,11 @@ class ModelRunner:
                 log.info("building graphs: %d/%d (up to %d tokens) in %.1fs", i, len(shapes), t,
                          time.monotonic() - start)
         freeze_compile_cache()
+
+
+def logit_positions(x: StepInputs, starts: np.ndarray) -> np.ndarray:
+    """Token indices the LM head runs on: every row's last token, then the scored tokens (prompt
+    logprobs) that are not a row's last."""
+    last = starts + x.query_lens - 1
+    scored = np.nonzero(x.targets >= 0)[0]
+    return np.concatenate([last, np.setdiff1d(scored, last)]) if scored.size else last

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shm.step import SamplingColumns, StepOutputs
+from shm.step import SamplingColumns, ScoreOutputs, StepInputs, StepOutputs
 
 TOP_P_CANDIDATES = 256
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): 1/T would overflow
@@ -23,6 +23,34 @@ def _greedy(logits: np.ndarray, lse: np.ndarray) -> StepOutputs:
     ids[~np.isfinite(chosen)] = -1
     return StepOutputs(ids, (chosen - lse).astype(np.float32), np.zeros((rows, 0), np.int32),
                         np.zeros((rows, 0), np.float32))
+
+
+def _top(logits: np.ndarray, lse: np.ndarray, n_top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The n_top[r] most likely tokens of each row, most likely first, and their log-probabilities."""
+    rows, max_n = logits.shape[0], int(n_top.max(initial=0))
+    top_ids = np.zeros((rows, max_n), np.int32)
+    top_lps = np.zeros((rows, max_n), np.float32)
+    for r in np.nonzero(n_top)[0]:
+        n = int(n_top[r])
+        best = np.argpartition(-logits[r], n - 1)[:n]
+        best = best[np.argsort(-logits[r, best], kind="stable")]
+        top_ids[r, :n] = best
+        top_lps[r, :n] = logits[r, best] - lse[r]
+    return top_ids, top_lps
+
+
+def score(x: StepInputs, params: SamplingColumns, starts: np.ndarray, where: np.ndarray, logits: np.ndarray,
+          lse: np.ndarray, out: ScoreOutputs) -> None:
+    """Prompt logprobs: for each scored token (targets >= 0), in token order, its target's raw
+    log-probability and its row's top alternatives. `where`: the token index of each logits row."""
+    scored = np.nonzero(x.targets >= 0)[0]
+    order = np.argsort(where, kind="stable")
+    idx = order[np.searchsorted(where[order], scored)]
+    n_top = params.n_prompt_logprobs[np.searchsorted(starts, scored, side="right") - 1]
+    out.score_logprobs[:] = logits[idx, x.targets[scored]] - lse[idx]
+    top_ids, top_lps = _top(logits[idx], lse[idx], n_top)
+    out.score_top_ids[:, :top_ids.shape[1]] = top_ids
+    out.score_top_logprobs[:, :top_ids.shape[1]] = top_lps
 
 
 def needs_penalty(p: SamplingColumns) -> np.ndarray:
@@ -90,15 +118,7 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histori
     penalised = needs_penalty(params)
     if not (params.n_logprobs.any() or penalised.any() or (params.temperature >= SAMPLING_EPS).any()):
         return _greedy(logits, lse)
-    max_n = int(params.n_logprobs.max(initial=0))
-    top_ids = np.zeros((rows, max_n), np.int32)
-    top_lps = np.zeros((rows, max_n), np.float32)
-    for r in np.nonzero(params.n_logprobs)[0]:
-        n = int(params.n_logprobs[r])
-        best = np.argpartition(-logits[r], n - 1)[:n]
-        best = best[np.argsort(-logits[r, best], kind="stable")]
-        top_ids[r, :n] = best
-        top_lps[r, :n] = logits[r, best] - lse[r]
+    top_ids, top_lps = _top(logits, lse, params.n_logprobs)
     raw = logits.copy() if penalised.any() else logits
 
     failed = np.zeros(rows, bool)

@@ -17,8 +17,8 @@ from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
 from shm.curve import KeyFolder
 from shm.messages import AgentInfo, StepReply
-from shm.step import StepDims, check_decode, check_indices
-from shm.transport import load_step_frames
+from shm.step import check_decode, check_indices
+from shm.transport import load_step_frames, step_header_dims
 
 log = logging.getLogger("llm_serving.agent")
 IDLE_POLL_MS = 500
@@ -112,7 +112,7 @@ class AgentServer:
         if not self.arenas or peer != self.peer:
             raise CommandError(P.E_NOT_ATTACHED, "step from a server that is not attached (send # first)")
         h = msg.header
-        dims = StepDims(h["n_tokens"], h["n_rows"], h["width"])
+        dims = step_header_dims(h)
         if not h["slot"] < len(self.arenas):
             raise CommandError(P.E_BAD_STEP, f"slot {h['slot']} outside the arena's {len(self.arenas)}")
         arena = self.arenas[h["slot"]]
@@ -133,7 +133,7 @@ class AgentServer:
             model_s = self.runner.step(v, h["free"], h.get("grammars", []))
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
-        frames = [] if self.segment is not None else arena.output_frames(dims.n_rows)
+        frames = [] if self.segment is not None else arena.output_frames(dims)
         return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles).to_wire(), frames
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:

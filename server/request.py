@@ -17,6 +17,10 @@ class Status(enum.Enum):
     DONE = "done"  # finished, failed or cancelled: its last event is sent
 
 
+# A prompt token, its logprob (None for the first: nothing predicts it) and its top alternatives.
+PromptToken = tuple[int, float | None, list[tuple[int, float]]]
+
+
 @dataclass
 class Delta:
     """One event for a request: a token (with its text), and/or the end."""
@@ -29,6 +33,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500  # of an error: 503 when no agent can serve it (nothing was wrong with the request)
+    prompt_logprobs: list[PromptToken] | None = None  # with the first token, where asked
 
 
 @dataclass(frozen=True)

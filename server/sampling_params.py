@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int = 0  # top-n alternatives per token
+    prompt_logprobs: int | None = None  # the prompt's tokens' logprobs with top-n alternatives (None: off)
     priority: int = 0
     grammar: str | None = None  # llguidance grammar text the output must match (common/grammar.py)
 
@@ -57,6 +58,8 @@ class SamplingParams:
             (-2 <= pres <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= freq <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer"),
             (-INT32_MAX <= self.priority <= INT32_MAX, f"priority must be in [-{INT32_MAX}, {INT32_MAX}]"),
             (len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from server.block_manager import BlockManager
 from common.config import ServingConfig
 from server.sampling_params import SamplingParams
+from shm.step import RowOutput
 
 if TYPE_CHECKING:  # server.request imports this module
     from server.request import Request
@@ -49,10 +50,22 @@ class Sequence:
     preemptions: int = 0
     pending: int = 0  # sampled in steps in flight, not yet back
     agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
+    scores: dict[int, RowOutput] = field(default_factory=dict)  # prompt logprobs: position -> its token's score
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's logprobs are asked and not all back yet: its rows score, and it is computed in
+        full (no prefix-cache hit: a cached block has no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.scores) < len(self.prompt) - 1
+
+    def targets(self, start: int, n: int) -> list[int]:
+        """The next prompt token of each token of a row from position `start` while scoring (the
+        prompt's last token has none: what follows it is sampled)."""
+        return self.prompt[start + 1:min(start + n, len(self.prompt) - 1) + 1] if self.scoring else []
 
     @property
     def remaining(self) -> int:
@@ -75,6 +88,7 @@ class Planned:
     output_len: int = 0  # tokens the sequence had generated before this row's sample (in flight included)
     epoch: int = 0  # the sequence's preemptions when planned: its blocks are still the same while equal
     admitted: bool = False  # its first row since it was (re)admitted: the agent gets its grammar again
+    targets: list[int] = field(default_factory=list)  # the prompt tokens its first tokens are scored against
 
 
 @dataclass
@@ -214,10 +228,10 @@ class Scheduler:
                 break
             if seq not in self.running or seq.remaining <= 1:
                 continue
-            n = min(seq.remaining, budget)
-            if self._reserve(seq, seq.computed + n, plan):
+            n = min(seq.remaining, budget, self._score_room(plan) if seq.scoring else budget)
+            if n > 0 and self._reserve(seq, seq.computed + n, plan):
                 plan.append(Planned(seq, n, n == seq.remaining))
-                budget -= n
+                budget = 0 if seq.scoring else budget - n
                 prefill_rows += 1
         self.waiting.sort(key=self._order_key)
         # A preempted sequence whose sampled token is still in flight waits for it: recomputing
@@ -226,24 +240,25 @@ class Scheduler:
         while (ready and budget > 0 and prefill_rows < self.cfg.max_prefill_rows
                and len(self.running) < self.max_running):  # 3. admit new prompts while blocks last
             seq = ready[0]
-            if not seq.table:
+            if not seq.table and not seq.scoring:
                 seq.table = self.blocks.match_prefix(seq.tokens)
                 seq.computed = len(seq.table) * self.cfg.block_size
-            n = min(seq.remaining, budget)
-            if not self.blocks.grow(seq.table, seq.computed + n):
+            n = min(seq.remaining, budget, self._score_room(plan) if seq.scoring else budget)
+            if n <= 0 or not self.blocks.grow(seq.table, seq.computed + n):
                 self.blocks.release(seq.table)
                 seq.computed = 0
                 break
             self.waiting.remove(ready.pop(0))
             self.running.append(seq)
             plan.append(Planned(seq, n, n == seq.remaining, admitted=True))
-            budget -= n
+            budget = 0 if seq.scoring else budget - n
             prefill_rows += 1
         if self.pads_cost:
             end_at_bucket(plan, self.cfg.token_buckets)
         for p in plan:  # the plan is final: its rows count as computed, its samples as pending
             seq = p.seq
             p.start, p.output_len, p.epoch = seq.computed, len(seq.output) + seq.pending, seq.preemptions
+            p.targets = seq.targets(p.start, p.n_tokens)
             seq.computed += p.n_tokens
             seq.pending += p.sample
             seq.agent_has_next = p.sample
@@ -251,6 +266,12 @@ class Scheduler:
         if plan:
             self.freed = []
         return step
+
+    def _score_room(self, plan: list[Planned]) -> int:
+        """Most tokens of a scored row in this step: its scored tokens share the graph's LM-head rows
+        with every row's last token (at most max_running of them, in a step of at most the mixed
+        budget, agent/runner_config.py); nothing is planned after it."""
+        return min(self.max_running - len(plan), self.cfg.mixed_step_tokens - sum(p.n_tokens for p in plan))
 
     def update(self, plan: StepPlan, sampled: list[int | None]) -> None:
         """A step's reply: its samples are no longer pending, the full blocks it computed are

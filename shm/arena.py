@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from common.procs import pid_alive
-from shm.step import (INPUT_SECTIONS, MAX_TOP_LOGPROBS, SECTIONS, RowInput, StepDims, StepOutputs, StepView,
+from shm.step import (INPUT_SECTIONS, MAX_TOP_LOGPROBS, OUTPUT_SECTIONS, SECTIONS, RowInput, StepDims, StepView,
                       all_fields, field_specs, step_dims, write_rows)
 
 SHM_DIR = Path("/dev/shm")
@@ -34,7 +34,8 @@ class ArenaSpec:
     MAX_SLOTS = 4
 
     def dims(self) -> dict[str, int]:
-        return {"T": self.max_tokens, "R": self.max_rows, "W": self.max_blocks, "N": MAX_TOP_LOGPROBS}
+        return {"T": self.max_tokens, "R": self.max_rows, "W": self.max_blocks, "N": MAX_TOP_LOGPROBS,
+                "S": self.max_tokens}
 
     def layout(self) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
         """Field -> (byte offset, dtype, shape) in declaration order (shm/step.py); and the total size.
@@ -67,7 +68,8 @@ class ArenaSpec:
         return spec
 
     def fits(self, dims: StepDims) -> bool:
-        return dims.n_tokens <= self.max_tokens and dims.n_rows <= self.max_rows and dims.width <= self.max_blocks
+        return (dims.n_tokens <= self.max_tokens and dims.n_rows <= self.max_rows and dims.width <= self.max_blocks
+                and 0 <= dims.n_scored <= dims.n_tokens)
 
 
 class Arena:
@@ -103,7 +105,7 @@ class Arena:
         repeat their sizes, and building the 24 views cost ~120 us of the agent's step."""
         if self._last is not None and self._last[0] == dims:
             return self._last[1]
-        lim = {"T": dims.n_tokens, "R": dims.n_rows, "W": dims.width, "N": MAX_TOP_LOGPROBS}
+        lim = {"T": dims.n_tokens, "R": dims.n_rows, "W": dims.width, "N": MAX_TOP_LOGPROBS, "S": dims.n_scored}
         view = StepView(*(cls(**{f.name: getattr(self.full.section(cls), f.name)[tuple(slice(0, lim[d]) for d in f.dims)]
                                  for f in field_specs(cls)}) for cls in SECTIONS))
         self._last = (dims, view)
@@ -138,11 +140,11 @@ class Arena:
     def load_inputs(self, dims: StepDims, frames: list[bytes]) -> None:
         self._load(dims, INPUT_SECTIONS, frames)
 
-    def output_frames(self, n_rows: int) -> list[bytes]:
-        return self._frames(StepDims(0, n_rows, 0), (StepOutputs,))
+    def output_frames(self, dims: StepDims) -> list[bytes]:
+        return self._frames(StepDims(0, dims.n_rows, 0, dims.n_scored), OUTPUT_SECTIONS)
 
-    def load_outputs(self, n_rows: int, frames: list[bytes]) -> None:
-        self._load(StepDims(0, n_rows, 0), (StepOutputs,), frames)
+    def load_outputs(self, dims: StepDims, frames: list[bytes]) -> None:
+        self._load(StepDims(0, dims.n_rows, 0, dims.n_scored), OUTPUT_SECTIONS, frames)
 
 
 # ---------------------------------------------------------------- POSIX segments

@@ -3,7 +3,7 @@ and the output reader beside them.
 
 Field order here is the byte order of the arena and of the tcp tensor frames (docs/protocol.md).
 Shapes use the dims "T" (tokens of the step), "R" (rows), "W" (block-table columns), "N" (top
-logprobs). Adding a sampling knob: one column in `SamplingColumns` (naming the `SamplingParams`
+logprobs), "S" (scored tokens: prompt logprobs). Adding a sampling knob: one column in `SamplingColumns` (naming the `SamplingParams`
 attribute it encodes) and its use in agent/sampling.py.
 """
 from __future__ import annotations
@@ -37,6 +37,9 @@ class StepInputs:
     # 1: a decode row whose one query token is the agent's own last sample for seq_ids[r] (its
     # `tokens` entry is ignored): what lets the server send step N+1 before step N's tokens are back.
     feed: np.ndarray = col("int32", "R")
+    # -1, or the prompt's next token: this token's logits are scored against it (prompt logprobs;
+    # the step's scored tokens write ScoreOutputs in token order).
+    targets: np.ndarray = col("int32", "T")
 
 
 @dataclass
@@ -53,6 +56,8 @@ class SamplingColumns:
     frequency_penalty: np.ndarray = col("float32", "R", param="frequency_penalty", neutral=0.0)
     seed: np.ndarray = col("int64", "R", param="seed", neutral=None, none=-1)  # -1 = unseeded
     n_logprobs: np.ndarray = col("int32", "R", param="logprobs", neutral=0)  # top alternatives to report, <= N
+    # top alternatives of each scored prompt token, <= N (its `targets` say which tokens are scored)
+    n_prompt_logprobs: np.ndarray = col("int32", "R", param="prompt_logprobs", neutral=None, none=0)
 
     @staticmethod
     def greedy() -> SimpleNamespace:
@@ -75,8 +80,17 @@ class StepOutputs:
     top_logprobs: np.ndarray = col("float32", "R", "N")
 
 
-SECTIONS = (StepInputs, SamplingColumns, StepOutputs)
+@dataclass
+class ScoreOutputs:
+    """Per scored prompt token, in token order: its target's log-probability and the top alternatives."""
+    score_logprobs: np.ndarray = col("float32", "S")  # field names are unique across sections (the layout's keys)
+    score_top_ids: np.ndarray = col("int32", "S", "N")
+    score_top_logprobs: np.ndarray = col("float32", "S", "N")
+
+
+SECTIONS = (StepInputs, SamplingColumns, StepOutputs, ScoreOutputs)
 INPUT_SECTIONS = (StepInputs, SamplingColumns)
+OUTPUT_SECTIONS = (StepOutputs, ScoreOutputs)
 
 
 @dataclass(frozen=True)
@@ -102,9 +116,11 @@ class StepView:
     inputs: StepInputs
     sampling: SamplingColumns
     outputs: StepOutputs
+    scores: ScoreOutputs
 
     def section(self, cls: type) -> Any:
-        return {StepInputs: self.inputs, SamplingColumns: self.sampling, StepOutputs: self.outputs}[cls]
+        return {StepInputs: self.inputs, SamplingColumns: self.sampling, StepOutputs: self.outputs,
+                ScoreOutputs: self.scores}[cls]
 
 
 def check_params(cls: type) -> type:
@@ -118,18 +134,23 @@ def check_params(cls: type) -> type:
 
 
 def check_indices(v: StepView, vocab: int, num_blocks: int, block_size: int, max_model_len: int) -> None:
-    """Agent side: every index a step carries lies inside the model and the KV pool (else ValueError)."""
+    """Agent side: every index a step carries lies inside the model and the KV pool, and its scored
+    tokens are as many as its header said (else ValueError)."""
     x = v.inputs
     # As unsigned, a negative int32 is >= 2**31 > any bound: one comparison per field (this runs
     # every step, cache-cold after the model's weights went through; 8 reductions cost ~120 us).
     checks = (("tokens", x.tokens, vocab), ("slots", x.slots, num_blocks * block_size),
               ("block_tables", x.block_tables, num_blocks), ("positions", x.positions, max_model_len),
-              ("n_logprobs", v.sampling.n_logprobs, MAX_TOP_LOGPROBS + 1), ("feed", x.feed, 2))
+              ("n_logprobs", v.sampling.n_logprobs, MAX_TOP_LOGPROBS + 1), ("feed", x.feed, 2),
+              ("n_prompt_logprobs", v.sampling.n_prompt_logprobs, MAX_TOP_LOGPROBS + 1),
+              ("targets + 1", x.targets + 1, vocab + 1))
     for name, a, bound in checks:
         if a.size and a.view(np.uint32).max() >= bound:
             raise ValueError(f"{name} out of range [0, {bound})")
     if np.any(x.query_lens[x.feed == 1] != 1):
         raise ValueError("a fed row has exactly one query token")
+    if np.count_nonzero(x.targets >= 0) != v.scores.score_logprobs.shape[0]:
+        raise ValueError("the step's scored tokens (targets >= 0) are not its n_scored")
 
 
 def check_decode(v: StepView) -> None:
@@ -150,6 +171,7 @@ class RowInput:
     prompt_len: int
     output_len: int
     feed: bool = False  # take the query token from the agent's last sample (`tokens` is one placeholder)
+    targets: np.ndarray | None = None  # per query token: -1 or the next prompt token it is scored against
 
 
 @dataclass(frozen=True)
@@ -157,6 +179,7 @@ class StepDims:
     n_tokens: int
     n_rows: int
     width: int
+    n_scored: int = 0  # tokens with targets: ScoreOutputs rows
 
 
 def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
@@ -181,6 +204,8 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
     x.seq_ids[:n] = [r.seq_id for r in rows]
     x.sample[:n] = [int(r.sample) for r in rows]
     x.feed[:n] = [int(r.feed) for r in rows]
+    x.targets[:n_tokens] = np.concatenate([np.full(len(r.tokens), -1, np.int32) if r.targets is None else r.targets
+                                           for r in rows])
     for f in fields(SamplingColumns):
         param, none = f.metadata["param"], f.metadata["none"]
         values = ([getattr(r, f.name) for r in rows] if param is None else
@@ -189,7 +214,8 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
 
 
 def step_dims(rows: list[RowInput]) -> StepDims:
-    return StepDims(sum(len(r.tokens) for r in rows), len(rows), max(len(r.block_table) for r in rows))
+    return StepDims(sum(len(r.tokens) for r in rows), len(rows), max(len(r.block_table) for r in rows),
+                    sum(int(np.count_nonzero(r.targets >= 0)) for r in rows if r.targets is not None))
 
 
 @dataclass(frozen=True)
@@ -202,3 +228,11 @@ class RowOutput:
 def read_row(out: StepOutputs, row: int, n_top: int) -> RowOutput:
     top = list(zip(out.top_ids[row, :n_top].tolist(), out.top_logprobs[row, :n_top].tolist()))
     return RowOutput(int(out.ids[row]), float(out.logprobs[row]), top)
+
+
+def read_scores(out: ScoreOutputs, first: int, targets: list[int], n_top: int) -> list[RowOutput]:
+    """The scores of consecutive scored tokens from index `first`, with their targets."""
+    k = slice(first, first + len(targets))
+    lps, ids, tops = out.score_logprobs[k].tolist(), out.score_top_ids[k, :n_top].tolist(), \
+        out.score_top_logprobs[k, :n_top].tolist()
+    return [RowOutput(t, lp, list(zip(i, tl))) for t, lp, i, tl in zip(targets, lps, ids, tops)]

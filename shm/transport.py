@@ -185,7 +185,8 @@ class AgentClient:
         (not None) is kept with it until its reply (`steps()`). `grammars`: the constrained
         sequences this step (re)admits (shm/protocol.py)."""
         frames = None if self.local else self.arenas[slot].input_frames(dims)
-        header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free}
+        header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free,
+                  "n_scored": dims.n_scored}
         if grammars:
             header["grammars"] = grammars
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP, header, frames, dims, slot, tag)
@@ -198,7 +199,7 @@ class AgentClient:
             return None
         body, frames = reply
         if not self.local and self.owns_segment:  # a group's rank > 0 leaves its lead's outputs alone
-            self.arenas[head.slot].load_outputs(head.dims.n_rows, frames)
+            self.arenas[head.slot].load_outputs(head.dims, frames)
         return StepReply.from_wire(body)
 
     def send_heartbeat(self) -> None:
@@ -234,4 +235,9 @@ class AgentClient:
 def load_step_frames(arena: Arena, msg: P.Message) -> None:
     """Agent side, tcp: copy the step's tensor frames into the private arena's slot."""
     h = msg.header
-    arena.load_inputs(StepDims(h["n_tokens"], h["n_rows"], h["width"]), msg.frames)
+    arena.load_inputs(step_header_dims(h), msg.frames)
+
+
+def step_header_dims(h: dict[str, Any]) -> StepDims:
+    """A step command's sizes, as its header gives them (shm/protocol.py checked their types)."""
+    return StepDims(h["n_tokens"], h["n_rows"], h["width"], h["n_scored"])

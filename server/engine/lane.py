@@ -16,7 +16,7 @@ import numpy as np
 from common.config import ServingConfig
 from common.procs import Backoff, pid_alive
 from server.engine.pacing import StepPacer
-from server.scheduler import Scheduler, Sequence, StepPlan
+from server.scheduler import Planned, Scheduler, Sequence, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
 from shm.messages import AgentInfo, StepReply
@@ -38,6 +38,15 @@ class InFlight:
     slot: int  # its arena slot
     sent_at: float
     prepare_s: float  # server time to plan, encode and send it
+
+
+def _targets(p: Planned) -> np.ndarray | None:
+    """A scored row's targets column (-1 past its scored tokens), or None."""
+    if not p.targets:
+        return None
+    t = np.full(p.n_tokens, -1, np.int32)
+    t[:len(p.targets)] = p.targets
+    return t
 
 
 def pads_cost(client: AgentLink) -> bool:
@@ -101,7 +110,8 @@ class AgentLane:
         placeholder token: the agent takes its own last sample (their real token may not be back yet)."""
         rows = [RowInput(p.seq.seq_id, np.zeros(1, np.int32) if p.feed else
                          np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
-                         p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed)
+                         p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
+                         _targets(p))
                 for p in plan.rows]
         slot = self.client.next_slot()
         dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)

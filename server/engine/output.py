@@ -10,7 +10,7 @@ import time
 from typing import TextIO
 
 from server.engine.metrics import Metrics
-from server.request import Delta, Request, Sink
+from server.request import Delta, PromptToken, Request, Sink
 from common.tokenizer import TextTokenizer
 
 MIN_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity; vLLM does the same)
@@ -45,6 +45,15 @@ def _finite(lp: float) -> float:
     return lp if math.isfinite(lp) else MIN_LOGPROB
 
 
+def prompt_logprobs(req: Request) -> list[PromptToken]:
+    """The prompt's tokens with their scores (None for the first token: nothing predicts it)."""
+    out: list[PromptToken] = []
+    for pos, tok in enumerate(req.prompt):
+        sc = req.seq.scores.get(pos)
+        out.append((tok, None, []) if sc is None else (tok, _finite(sc.logprob), [(i, _finite(lp)) for i, lp in sc.top]))
+    return out
+
+
 class OutputProcessor:
     def __init__(self, tok: TextTokenizer, eos: set[int], max_model_len: int, metrics: Metrics,
                  request_log: TextIO | None = None):
@@ -58,7 +67,8 @@ class OutputProcessor:
         finish reason if it ends the request."""
         seq, p = req.seq, req.params
         self.metrics.generation_tokens.inc()
-        if req.first_token_at is None:
+        first = req.first_token_at is None
+        if first:
             req.first_token_at = now
             self.metrics.ttft.observe(now - req.arrival)
         reason = None
@@ -72,7 +82,10 @@ class OutputProcessor:
             reason = "length"
         if reason:
             text += req.detok.finish()
-        return Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top]), reason
+        delta = Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top])
+        if first and p.prompt_logprobs is not None:
+            delta.prompt_logprobs = prompt_logprobs(req)
+        return delta, reason
 
     def record_end(self, req: Request, reason: str) -> None:
         """Metrics and the request-log line of a request that ends now."""

@@ -14,8 +14,9 @@ from server.engine.requests import Requests
 from server.engine.supervisor import Supervisor
 from server.engine.trace import StepRecord, StepTrace
 from server.request import Status
+from server.scheduler import Planned
 from shm import protocol as P
-from shm.step import read_row
+from shm.step import ScoreOutputs, read_row, read_scores
 from shm.messages import StepReply
 from shm.transport import AgentDead, AgentError
 
@@ -80,6 +81,16 @@ class Stepper:
         lane.backoff.reset()
         self._step_done(lane, head, body, now)
 
+    @staticmethod
+    def _scores(rows: list[Planned], scores: ScoreOutputs) -> None:
+        """Prompt logprobs of the step's scored rows (in token order in the arena) into their sequences."""
+        k = 0
+        for p in rows:
+            if p.targets:  # valid even if it was preempted since: the step ran on its blocks of then
+                n_top = p.seq.params.prompt_logprobs or 0
+                p.seq.scores.update(enumerate(read_scores(scores, k, p.targets, n_top), p.start + 1))
+            k += len(p.targets)
+
     def _step_done(self, lane: AgentLane, step: InFlight, reply: StepReply, now: float) -> None:
         rows = step.plan.rows
         start = max(step.sent_at, lane.replied(now))
@@ -90,6 +101,7 @@ class Stepper:
         self.step_wall_s += now - start
         self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
         outputs = lane.client.arenas[step.slot].full.outputs
+        self._scores(rows, lane.client.arenas[step.slot].full.scores)
         # A row's token is kept only for a live, sampled row whose sampling succeeded.
         read = [read_row(outputs, i, p.seq.params.logprobs) if p.sample else None for i, p in enumerate(rows)]
         keep = [r.token if r is not None and r.token >= 0 and p.seq.request.status is not Status.DONE

@@ -16,7 +16,7 @@ from fastapi import Request as HttpRequest
 from common import grammar
 from common.config import ServingConfig
 from server.engine.engine import Engine, QueueFull
-from server.request import Delta, Request, Sink
+from server.request import Delta, PromptToken, Request, Sink
 from server.prompts import encode_prompt
 from server.sampling_params import InvalidRequest, SamplingParams
 from common.tokenizer import TextTokenizer
@@ -30,6 +30,7 @@ class Result:
     tokens: list[Delta]
     finish_reason: str
     prompt_tokens: int
+    prompt_logprobs: list[PromptToken] | None = None
 
 
 class ApiError(Exception):
@@ -128,6 +129,8 @@ class Frontend:
         out = [Result("", [], "cancelled", len(ids)) for _ in params]
         async for i, d in self.fan_out(http, ids, params):
             r = out[i]
+            if d.prompt_logprobs is not None:
+                r.prompt_logprobs = d.prompt_logprobs
             if d.token_id is not None:
                 r.tokens.append(d)
             r.text += d.text

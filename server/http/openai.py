@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import itertools
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -13,28 +15,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from server.http.frontend import Frontend, primed, sse
 from server.http.schemas import ChatRequest, CompletionRequest
 from server.http.structured import parse_tool_calls
-from server.request import Delta
+from server.request import Delta, PromptToken
 from server.sampling_params import InvalidRequest, SamplingParams
 
 router = APIRouter(tags=["OpenAI"])
 
 
-def _logprobs(f: Frontend, tokens: list[Delta], chat: bool) -> dict[str, Any]:
+def _logprobs(f: Frontend, tokens: list[Delta], chat: bool, prompt: list[PromptToken] | None = None) -> dict[str, Any]:
     if chat:
         return {"content": [{"token": f.tok.id_to_token(t.token_id), "logprob": t.logprob,
                              "bytes": list(t.text.encode()),
                              "top_logprobs": [{"token": f.tok.id_to_token(i), "logprob": lp,
                                                "bytes": list(f.tok.decode([i]).encode())} for i, lp in t.top_logprobs]}
                             for t in tokens]}
-    offs, pos = [], 0
-    for t in tokens:
-        offs.append(pos)
-        pos += len(t.text)
-    # Legacy completions name tokens by their text (vLLM's convention), not byte-level pieces ("Ġthe").
-    return {"tokens": [f.tok.decode([t.token_id], skip_special=False) for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{f.tok.decode([i], skip_special=False): lp for i, lp in t.top_logprobs} for t in tokens],
-            "text_offset": offs}
+    # Legacy completions name tokens by their text (vLLM's convention), not byte-level pieces ("Ġthe");
+    # with echo the prompt's tokens come first, the first of them without a logprob.
+    piece = functools.partial(_piece, f)
+    rows = [(piece(i), lp, None if lp is None else {piece(k): v for k, v in top}) for i, lp, top in prompt or []]
+    rows += [(piece(t.token_id), t.logprob, {piece(k): v for k, v in t.top_logprobs}) for t in tokens]
+    texts = [r[0] for r in rows[:len(prompt or [])]] + [t.text for t in tokens]
+    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
+            "top_logprobs": [r[2] for r in rows], "text_offset": list(itertools.accumulate(map(len, texts[:-1]), initial=0))
+            if texts else []}
+
+
+def _piece(f: Frontend, token: int) -> str:
+    return f.tok.decode([token], skip_special=False)
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -67,8 +73,9 @@ def _message(body: CompletionRequest | ChatRequest, text: str, reason: str) -> t
 
 def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
     """`n` choices: each its own seed stream where a seed is given (else the sampler's own generator)."""
-    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**63)
-            for i in range(n)]
+    # The prompt's logprobs are the same for every choice: the first computes them.
+    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**63,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(n)]
 
 
 async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest) -> Response:
@@ -90,7 +97,8 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
     results = await f.collect_all(http, ids, plist)
     for i, r in enumerate(results):
         choice: dict[str, Any] = {"index": i, "finish_reason": _reason(r.finish_reason),
-                                  "logprobs": _logprobs(f, r.tokens, chat) if params.logprobs else None}
+                                  "logprobs": _logprobs(f, r.tokens, chat, results[0].prompt_logprobs)
+                                  if params.logprobs else None}
         if chat:
             choice["message"], choice["finish_reason"] = _message(body, r.text, r.finish_reason)
         else:
@@ -107,17 +115,24 @@ async def _chunks(http: HttpRequest, f: Frontend, body: CompletionRequest | Chat
     chat, want_lp = isinstance(body, ChatRequest), plist[0].logprobs > 0
     hold = chat and bool(body.callable_tools)
     held: list[list[str]] = [[] for _ in plist]
-    n = 0
+    n, echo_lp = 0, echo and plist[0].prompt_logprobs is not None  # with logprobs, echoed at the first event
     for i in range(len(plist)):
         if chat:
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None, "logprobs": None}]})
-        elif echo:
+        elif echo and not echo_lp:
             yield sse({**head, "choices": [{"index": i, "text": echo, "finish_reason": None, "logprobs": None}]})
+    prompt_lp: list[PromptToken] | None = None
+    echoed: set[int] = set()
     async for i, d in f.fan_out(http, ids, plist):
         if d.error:
             yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
             break
+        if echo_lp and i not in echoed:
+            prompt_lp = prompt_lp or d.prompt_logprobs  # the first choice's first event carries them
+            echoed.add(i)
+            yield sse({**head, "choices": [{"index": i, "text": echo, "finish_reason": None,
+                                            "logprobs": _logprobs(f, [], False, prompt_lp)}]})
         n += d.token_id is not None
         toks = [d] if d.token_id is not None else []
         if hold:

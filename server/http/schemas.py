@@ -98,16 +98,21 @@ class GenerationParameters(SamplingFields):
     decoder_input_details: bool = False
     adapter_id: str | None = None
 
-    def to_sampling_params(self, top_k: int = 0) -> SamplingParams:
+    def to_sampling_params(self, top_k: int = 0, prompt_details: bool = False) -> SamplingParams:
+        """`prompt_details`: the route returns the prompt's logprobs (TGI's /generate)."""
         unsupported = {"typical_p": self.typical_p not in (None, 1.0), "truncate": self.truncate is not None,
                        "watermark": self.watermark, "best_of": self.best_of not in (None, 1),
-                       "decoder_input_details": self.decoder_input_details, "adapter_id": self.adapter_id is not None}
+                       "adapter_id": self.adapter_id is not None}
         for name, asked in unsupported.items():
             if asked:
                 raise InvalidRequest(f"parameters.{name} is not supported by this server")
+        if self.decoder_input_details and not prompt_details:
+            raise InvalidRequest("parameters.decoder_input_details is supported only by TGI's /generate (not streamed)")
         sp = self.sampling_params(self.max_new_tokens, self.top_n_tokens, top_k, grammar=compile_tgi(self.grammar))
         if not self.do_sample:  # greedy; the sampling knobs were still checked (a bad one is a 400 either way)
             sp.temperature, sp.top_k, sp.top_p, sp.min_p = 0.0, 0, 1.0, 0.0
+        if self.decoder_input_details:
+            sp.prompt_logprobs = 0
         return sp
 
 
@@ -201,10 +206,10 @@ class CompletionRequest(_OpenAI):
     logprobs: Int = 0
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo and self.logprobs:
-            raise InvalidRequest("echo is supported only by /v1/completions without logprobs "
-                                 "(prompt logprobs are not computed)")
-        return self._openai_params(self.logprobs)
+        sp = self._openai_params(self.logprobs)
+        if self.echo and self.logprobs:  # the prompt's logprobs too (vLLM's and OpenAI's legacy echo)
+            sp.prompt_logprobs = self.logprobs
+        return sp
 
 
 class ChatRequest(_OpenAI):
@@ -221,8 +226,7 @@ class ChatRequest(_OpenAI):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
-            raise InvalidRequest("echo is supported only by /v1/completions without logprobs "
-                                 "(prompt logprobs are not computed)")
+            raise InvalidRequest("echo is supported only by /v1/completions")
         tools, must_call = chosen_tools(self.tools, self.tool_choice)
         return self._openai_params((self.top_logprobs or 1) if self.logprobs else 0,
                                    call_grammar(tools) if must_call else None)

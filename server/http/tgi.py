@@ -25,12 +25,15 @@ def _full_text(body: GenerateRequest) -> bool:
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HttpRequest, f: Frontend = Depends(Frontend.of)) -> Response:
-    params = body.parameters.to_sampling_params()
+    params = body.parameters.to_sampling_params(prompt_details=True)
     ids = await f.prepare(body.inputs, params)
     r = await f.collect(http, ids, params)
     out: dict[str, Any] = {"generated_text": (f.prompt_text(body.inputs, ids) + r.text) if _full_text(body) else r.text}
     if body.parameters.details is not False:  # TGI's default: on
         out["details"] = _details(r.finish_reason, len(r.tokens), params, [f.token_json(t) for t in r.tokens])
+        if r.prompt_logprobs is not None:  # decoder_input_details
+            out["details"]["prefill"] = [{"id": i, "text": f.tok.decode([i], skip_special=False), "logprob": lp}
+                                         for i, lp, _ in r.prompt_logprobs]
     return JSONResponse(out)
 
 

@@ -23,8 +23,8 @@ from tests.helpers import ServerProcess, tiny_config
 
 
 def test_codec_round_trip():
-    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "slot": 1, "free": [7, 9], "id": 5},
-                     [b"xy"])
+    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "n_scored": 0, "slot": 1, "free": [7, 9],
+                                     "id": 5}, [b"xy"])
     msg = P.decode(parts)
     assert msg.cmd == P.DECODE_STEP and msg.header["free"] == [7, 9] and msg.frames == [b"xy"]
     ok, body, _ = P.decode_reply(P.encode_reply(False, {"error": "boom", "id": 5}))
@@ -34,17 +34,19 @@ def test_codec_round_trip():
 V = P.VERSION
 HELLO = {"v": V, "arena": None, "spec": {"max_tokens": 8, "max_rows": 2, "max_blocks": 2, "slots": 2}, "server_pid": 1,
          "geometry": {"block_size": 4, "num_blocks": 8, "max_model_len": 8}, "model": {"name": "m", "digest": "d"}}
+STEP = {"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "n_scored": 0, "slot": 0, "free": []}
 
 
 @pytest.mark.parametrize("parts, why", [
     ([b""], "empty"), ([b"Z" + msgpack.packb({"v": V})], "unknown command"),
-    ([b"*" + msgpack.packb({"v": 99, "n_tokens": 1, "n_rows": 1, "width": 1, "slot": 0, "free": []})], "version"),
-    ([b"*" + msgpack.packb({"v": 2, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "version 2"),
-    ([b"*" + msgpack.packb({"v": V, "n_tokens": "1", "n_rows": 1, "width": 1, "slot": 0, "free": []})], "n_tokens"),
-    ([b"a" + msgpack.packb({"v": V, "n_tokens": -1, "n_rows": 1, "width": 1, "slot": 0, "free": []})], "negative"),
-    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "slot": -1, "free": []})], "negative slot"),
-    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "free": []})], "slot"),
-    ([b"a" + msgpack.packb({"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "slot": 0, "free": [True]})], "free"),
+    ([b"*" + msgpack.packb({**STEP, "v": 99})], "version"),
+    ([b"*" + msgpack.packb({**STEP, "v": 2})], "version 2"),
+    ([b"*" + msgpack.packb({**STEP, "n_tokens": "1"})], "n_tokens"),
+    ([b"a" + msgpack.packb({**STEP, "n_tokens": -1})], "negative"),
+    ([b"a" + msgpack.packb({**STEP, "slot": -1})], "negative slot"),
+    ([b"a" + msgpack.packb({k: v for k, v in STEP.items() if k != "slot"})], "slot"),
+    ([b"a" + msgpack.packb({**STEP, "free": [True]})], "free"),
+    ([b"*" + msgpack.packb({k: v for k, v in STEP.items() if k != "n_scored"})], "n_scored"),
     ([b"a\xc1\xff"], "msgpack"), ([b"#" + msgpack.packb([1, 2])], "not a map"),
     ([b"#" + msgpack.packb({k: v for k, v in HELLO.items() if k != "geometry"})], "geometry"),
     ([b"#" + msgpack.packb({**HELLO, "geometry": {**HELLO["geometry"], "block_size": "4"}})], "geometry.block_size"),
@@ -265,10 +267,12 @@ def attached(agent):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 2), st.integers(0, 1), st.integers(-3, 3)),
                 min_size=1, max_size=2),
-       st.sampled_from([P.DECODE_STEP, P.FULL_STEP]), st.integers(-1, 3))
-def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, rows, cmd, slot):
-    """Any well-framed step (fed flags, query lengths, sample flags, sequence ids, slot): an ok
-    reply, or a `bad_step`/`protocol` error naming why; the next normal step still runs."""
+       st.sampled_from([P.DECODE_STEP, P.FULL_STEP]), st.integers(-1, 3),
+       st.lists(st.sampled_from([-2, -1, -1, 0, 7, 10**6]), min_size=4, max_size=4), st.integers(-1, 1))
+def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, rows, cmd, slot, targets, miscount):
+    """Any well-framed step (fed flags, query lengths, sample flags, sequence ids, slot, scored
+    tokens and their count): an ok reply, or a `bad_step`/`protocol` error naming why; the next
+    normal step still runs."""
     cfg, client = attached
     x = client.arenas[0].full.inputs
     qlens = [q for _, q, _, _ in rows]
@@ -279,9 +283,11 @@ def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, row
     x.feed[:len(rows)] = [f for f, _, _, _ in rows]
     x.sample[:len(rows)] = [s for _, _, s, _ in rows]
     x.seq_ids[:len(rows)] = [s for _, _, _, s in rows]
+    x.targets[:n] = targets[:n]
+    n_scored = max(0, sum(t >= 0 for t in targets[:n]) + miscount)
     # `free` first drops what earlier examples sampled: a fed row here has no sample to take.
-    client.send(cmd, {"n_tokens": n, "n_rows": len(rows), "width": 1, "slot": slot, "free": [-3, -2, -1, 0, 1, 2, 3]},
-                dims=StepDims(n, len(rows), 1))
+    client.send(cmd, {"n_tokens": n, "n_rows": len(rows), "width": 1, "slot": slot, "free": [-3, -2, -1, 0, 1, 2, 3],
+                      "n_scored": n_scored}, dims=StepDims(n, len(rows), 1, n_scored))
     try:
         assert client.poll_step(30) is not None
         fed = [i for i, (f, _, s, _) in enumerate(rows) if f == 1 and s == 1]

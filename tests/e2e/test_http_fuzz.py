@@ -30,11 +30,11 @@ EXTREME = st.one_of(
     st.lists(st.text(max_size=4), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
 SAMPLING = ["max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "stop", "ignore_eos", "do_sample", "return_full_text", "details",
-            "top_n_tokens", "priority", "grammar"]
+            "top_n_tokens", "priority", "grammar", "decoder_input_details"]
 OPENAI = ["max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
           "top_logprobs", "n", "best_of", "stream", "stream_options", "priority", "response_format", "tools",
-          "tool_choice"]
+          "tool_choice", "echo"]
 PROMPTS = st.one_of(st.just("fuzz me"), st.lists(st.integers(0, 271), min_size=1, max_size=6), EXTREME)
 # Grammars: regexes and schemas that are valid, broken or hostile (nested, huge, wrong types).
 SCHEMAS = st.recursive(st.one_of(EXTREME, st.sampled_from([{"type": "object"}, {"type": "foo"}, {"enum": []},

@@ -214,3 +214,35 @@ def test_n_choices_share_one_prefill(server):
         for choice in ch.choices:
             streamed[choice.index] += choice.text
     assert streamed == alone
+
+
+def test_prompt_logprobs_are_the_model_s_own_next_token_logprobs(server):
+    """echo + logprobs: a prompt whose tail the model generated itself (greedy) must score that tail
+    with the logprobs it was generated with, the top alternative being the token itself: that pins
+    every position (an off-by-one fails). The prompt is scored in chunks of at most max_running (8)
+    tokens: a prefix scored alone agrees. Streamed, n=2 and TGI's decoder_input_details agree."""
+    c = _client(server)
+    head = [t["id"] for t in httpx.post(f"{server.url}/tokenize", json={"inputs": "the weather in Lima"},
+                                        timeout=30).json()]
+    gen = httpx.post(f"{server.url}/generate", json={"inputs": "the weather in Lima", "parameters": {
+        "max_new_tokens": 24, "details": True, "ignore_eos": True}}, timeout=60).json()["details"]["tokens"]
+    ids = head + [t["id"] for t in gen]
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=1, logprobs=1, echo=True)
+    lp, n = r.choices[0].logprobs, len(ids)
+    assert r.usage.prompt_tokens == n and len(lp.tokens) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[n - 24:n] == pytest.approx([t["logprob"] for t in gen], abs=2e-3)
+    assert all(list(lp.top_logprobs[k]) == [lp.tokens[k]] for k in range(n - 24, n))
+    short = c.completions.create(model="tiny", prompt=ids[:15], max_tokens=1, logprobs=3, echo=True).choices[0]
+    assert short.logprobs.token_logprobs[:15] == pytest.approx(lp.token_logprobs[:15], abs=2e-3)
+    assert all(1 <= len(t) <= 3 for t in short.logprobs.top_logprobs[1:15])  # pieces may share a text ("\ufffd")
+    streamed = list(c.completions.create(model="tiny", prompt=ids, max_tokens=1, logprobs=1, echo=True, stream=True))
+    assert streamed[0].choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n], abs=1e-6)
+    two = c.completions.create(model="tiny", prompt=ids, max_tokens=1, logprobs=1, echo=True, n=2, temperature=1.0)
+    assert [ch.logprobs.token_logprobs[:n] for ch in two.choices] == [pytest.approx(lp.token_logprobs[:n], abs=1e-6)] * 2
+    tgi = httpx.post(f"{server.url}/generate", json={"inputs": "the weather in Lima", "parameters": {
+        "max_new_tokens": 1, "decoder_input_details": True}}, timeout=60).json()
+    assert [p["logprob"] for p in tgi["details"]["prefill"]] == pytest.approx(lp.token_logprobs[:len(head)], abs=2e-3)
+    refused = httpx.post(f"{server.url}/generate_stream", json={"inputs": "x", "parameters": {
+        "decoder_input_details": True}}, timeout=60)
+    assert refused.status_code == 400 and "decoder_input_details" in refused.text

@@ -12,7 +12,7 @@ def _rows(n: int, **cols) -> SamplingColumns:
                 min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
                 presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
                 seed=np.full(n, 7, np.int64), n_logprobs=np.zeros(n, np.int32), prompt_len=np.full(n, 2, np.int32),
-                output_len=np.zeros(n, np.int32))
+                output_len=np.zeros(n, np.int32), n_prompt_logprobs=np.zeros(n, np.int32))
     return SamplingColumns(**{k: np.asarray(cols.get(k, v), v.dtype) for k, v in base.items()})
 
 

@@ -99,6 +99,36 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
     assert [p.seq for p in plan.rows] == seqs[:2]
 
 
+def test_a_scored_prompt_runs_in_chunks_that_fit_the_lm_head_rows_and_skips_the_prefix_cache():
+    """Prompt logprobs: a scored row's tokens are LM-head rows too, so with one decode riding its
+    chunk is at most max_running (4) - 1 tokens, nothing is planned after it, its targets are the
+    prompt's next tokens (none for the last) and a prefix-cache hit is not taken (no logits there)."""
+    s = Scheduler(ServingConfig(num_blocks=20, block_size=4, max_model_len=32, prefill_buckets=[8],
+                                decode_buckets=[1, 4], max_prefill_rows=2, enable_prefix_caching=True).validate())
+    prompt = list(range(10, 20))
+    a = Sequence(prompt + [1], SamplingParams(), 0.0)
+    s.add(a)
+    s.update(s.schedule(), [None])
+    s.update(s.schedule(), [5])  # a's blocks are published; a decodes from now on
+    b = Sequence(prompt + [2], SamplingParams(prompt_logprobs=2), 1.0)
+    c = Sequence([1, 2], SamplingParams(), 2.0)
+    s.add(b)
+    s.add(c)
+    got, starts = [], []
+    while b.scoring:
+        plan = s.schedule()
+        mine = [p for p in plan.rows if p.seq is b]
+        if mine:
+            p = mine[0]
+            assert plan.rows[-1] is p and p.n_tokens <= 3 and plan.rows[0].seq is a
+            assert p.targets == b.prompt[p.start + 1:p.start + 1 + len(p.targets)]
+            starts.append(p.start)
+            got += p.targets
+            b.scores.update({p.start + 1 + k: None for k in range(len(p.targets))})
+        s.update(plan, [7 if q.sample else None for q in plan.rows])
+    assert got == b.prompt[1:] and starts[0] == 0 and len(starts) >= 4
+
+
 def test_sjf_policy_orders_by_max_new_tokens():
     s = Scheduler(_cfg(schedule_policy="sjf"))
     long_, short = (Sequence([1, 2], SamplingParams(max_new_tokens=n), float(i)) for i, n in enumerate((50, 5)))
