@@ -55,9 +55,13 @@ class NativeAttention(nn.Cell):
 
 
 class PlainAttention(nn.Cell):
-    def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
+    """`kv_dtype` float16: the cache holds float16 keys and values, scores and the weighted sum run
+    in float16 MatMuls, the softmax in float32."""
+
+    def __init__(self, cfg: Any, block_size: int, kv_dtype: str = "float32"):
         super().__init__()
         self.block_size = block_size
+        self.kv_type = ms.float16 if kv_dtype == "float16" else ms.float32
         self.heads, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.width, self.qk_norm, self.qk_eps = self.q_size + 2 * self.kv_size, cfg.qk_norm, cfg.rms_eps
@@ -127,8 +131,8 @@ class PlainAttention(nn.Cell):
         qk = qk.reshape(n, self.heads + self.kv, hd)
         qk = qk * cos + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * sin
         q, k = ops.split(qk, (self.heads, self.kv), 1)
-        return (q, ops.scatter_update(k_cache, slots, k),
-                ops.scatter_update(v_cache, slots, v.reshape(n, self.kv, hd)))
+        return (q, ops.scatter_update(k_cache, slots, ops.cast(k, self.kv_type)),
+                ops.scatter_update(v_cache, slots, ops.cast(v.reshape(n, self.kv, hd), self.kv_type)))
 
     def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, token_slots: Tensor, bias: Tensor) -> Tensor:
         n, ctx = token_slots.shape
@@ -146,5 +150,6 @@ class PlainAttention(nn.Cell):
         flat = token_slots.reshape(-1)
         k_t = ops.gather(k_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 3, 1)  # [T, kv, hd, C]
         v_h = ops.gather(v_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 1, 3)  # [T, kv, C, hd]
-        probs = ops.softmax(self.bmm(q.reshape(n, kv, grp, hd), k_t) + bias, -1)
-        return self.bmm(probs, v_h).reshape(n, kv * grp * hd)
+        scores = ops.cast(self.bmm(ops.cast(q.reshape(n, kv, grp, hd), self.kv_type), k_t), ms.float32)
+        probs = ops.cast(ops.softmax(scores + bias, -1), self.kv_type)
+        return ops.cast(self.bmm(probs, v_h), ms.float32).reshape(n, kv * grp * hd)

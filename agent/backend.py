@@ -13,19 +13,21 @@ from agent.attention import NativeAttention, PlainAttention
 from agent.kernels import custom_ops
 from agent.layers import DTYPES, KV_DTYPES, Alone, CommCollectives, NativeNorms, PlainNorms, ShmCollectives
 from agent.linear import (BF16_BLOCK, LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights,
-                          PlainLinear, Projection)
+                          PlainF16Linear, PlainLinear, Projection)
 from agent.projections import fp32_projections, int8_projections, lm_head
 from common.config import QUANT_GROUP_SIZE
+
+PLAIN_DTYPES = ("float32", "float16")  # of weights and KV cache on the plain-MindSpore path (any device)
 
 
 @dataclass(frozen=True)
 class Backend:
-    """Which kernels a model runs on: `dtype` (float32 | bfloat16 | int8) of the projections and LM
-    head, `lib` the native kernel library (None: plain MindSpore ops, float32 only)."""
+    """Which kernels a model runs on: `dtype` (float32 | bfloat16 | float16 | int8) of the projections
+    and LM head, `lib` the native kernel library (None: plain MindSpore ops, PLAIN_DTYPES only)."""
 
     dtype: str = "float32"
     lib: str | None = None
-    kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32
+    kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32 or float16
     int8_group: int = QUANT_GROUP_SIZE
     ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
     tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
@@ -33,16 +35,17 @@ class Backend:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"model_dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
-        if self.dtype != "float32" and self.lib is None:
+        if self.dtype not in PLAIN_DTYPES and self.lib is None:
             raise ValueError(f"model_dtype {self.dtype} needs the native kernels (a C++ compiler, LLM_SERVING_NATIVE "
-                             "not 0, a CPU device); the plain-MindSpore path runs float32 only")
+                             "not 0, a CPU device); the plain-MindSpore path runs float32 or float16 (MindSpore 2.9 "
+                             "has no bfloat16 MatMul on CPU)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)} or auto")
         if self.tp_size > 1 and self.dtype == "int8":
             raise ValueError("tensor_parallel_size > 1 runs a float model_dtype (float32, bfloat16, float16)")
-        if self.kv_dtype != "float32" and self.lib is None:
-            raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads 16-bit "
-                             "and int8 KV there); the plain-MindSpore path keeps float32")
+        if self.kv_dtype not in PLAIN_DTYPES and self.lib is None:
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads "
+                             "bfloat16 and int8 KV there); the plain-MindSpore path keeps float32 or float16")
 
     def kernels(self, cfg: Any) -> dict[str, Any]:
         if self.lib is None:
@@ -84,12 +87,12 @@ class Backend:
         return PlainNorms(cfg.rms_eps, cfg.intermediate_size, cfg.activation)
 
     def attention(self, cfg: Any, block_size: int, k: dict[str, Any]) -> nn.Cell:
-        return (NativeAttention if self.lib else PlainAttention)(cfg, block_size, k)
+        return NativeAttention(cfg, block_size, k) if self.lib else PlainAttention(cfg, block_size, self.kv_dtype)
 
     @property
     def projection_cls(self) -> type[Projection]:
         if self.lib is None:
-            return PlainLinear
+            return PlainF16Linear if self.dtype == "float16" else PlainLinear
         return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
 
     def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,

@@ -49,6 +49,18 @@ class GraphCall:
         return _convert_python_data(self._executor(args, phase))
 
 
+def device_free_memory(device_id: int) -> int | None:
+    """Free memory of this agent's device as MindSpore's runtime reports it (Ascend: free once the
+    device is set; GPU: its total), or None on the CPU or where it reports nothing."""
+    import mindspore as ms
+
+    target = str(ms.get_context("device_target"))
+    if target == "CPU":
+        return None
+    props = ms.hal.get_device_properties(device_id, target)
+    return int(getattr(props, "free_memory", 0) or getattr(props, "total_memory", 0)) or None
+
+
 def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
     """Graph mode on the chosen device (LLM_SERVING_DEVICE, from serving_config.device) and
     `device_id`, with the on-disk compile cache in a folder keyed by our model source and `key`

@@ -79,9 +79,11 @@ class PlainLinear(Projection):
     On CPU this fallback is ~2.5x slower at few rows than an [in, out] copy would be; the CPU runs
     the native kernels instead, and a second copy of every weight is what a 7B model cannot afford."""
 
-    @staticmethod
-    def stored(mat: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (np.ascontiguousarray(mat, np.float32),)
+    dtype: Any = np.float32
+
+    @classmethod
+    def stored(cls, mat: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (np.ascontiguousarray(mat, cls.dtype),)
 
     def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
         super().__init__(norms, weights, k, width)
@@ -89,6 +91,17 @@ class PlainLinear(Projection):
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.matmul_t(x, self.w0[i])
+
+
+class PlainF16Linear(PlainLinear):
+    """float16 weights and MatMul (the contest's dtype on a device; a CPU kernel in MindSpore too).
+    The residual stream, norm statistics, softmax and logits' log-sum-exp stay float32: each
+    projection's input is cast down and its output back up."""
+
+    dtype = np.float16
+
+    def linear(self, x: Tensor, i: int) -> Tensor:
+        return ops.cast(self.matmul_t(ops.cast(x, ms.float16), self.w0[i]), ms.float32)
 
 
 class NativeLinear(Projection):

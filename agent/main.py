@@ -123,7 +123,8 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     os.environ["DEVICE_ID"] = str(device_id)
     from agent.runner import ModelRunner  # mindspore first
     from agent.runner_config import RunnerConfig, compile_cache_key
-    from agent.graph_call import setup_mindspore
+    from agent.graph_call import device_free_memory, setup_mindspore
+    from common.config import ConfigError
     from agent.tensor_parallel import Group
     from agent.calibrate import CALIBRATION_TEXT
     from agent.weights import load_model
@@ -147,6 +148,10 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
     device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
                                         key=compile_cache_key(model_cfg, rc), device_id=device_id)
+    free = device_free_memory(device_id)
+    refusal = memory_plan(cfg, files, 1, device_free=free).refusal() if free is not None else None
+    if refusal:  # before the model takes any device memory
+        raise ConfigError(refusal)
     tok = load_tokenizer(files, cfg.tokenizer_path)
     calibration = tok.encode(CALIBRATION_TEXT) if int8 else None
     # The ranks of a group sample alike: one seed per replica.

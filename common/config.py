@@ -72,6 +72,7 @@ class ServingConfig:
     request_log: str | None = None  # a JSON-lines file: every request's life-cycle timestamps
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     curve_keys: str | None = None  # CURVE key folder for tcp agents (shm/curve.py)
+    device_memory: int = 0  # ours: bytes of each device (Ascend, GPU) for the memory plan; 0 = its runtime's figure
     kv_cache_memory: int = 0  # ours: KV pool bytes per agent with num_blocks auto (vLLM's KV space); 0 = what is left
     # pa_config
     num_blocks: int = 1024  # 0 = auto (common/memory.py sizes it before the agents load)
@@ -192,6 +193,9 @@ def _check_together(c: ServingConfig) -> None:
     if len(c.agent_ports) % c.tensor_parallel_size:
         raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size}: must divide the "
                           f"{len(c.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
+    if c.device != "CPU" and c.model_dtype not in ("float32", "float16"):  # agent.backend.PLAIN_DTYPES
+        raise ConfigError(f"model_dtype {c.model_dtype} on {c.device}: the plain MindSpore path other devices run "
+                          "holds float32 or float16 weights")
     if c.tensor_parallel_size > 1 and c.model_dtype == "int8":
         raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype int8: "
                           "tensor parallelism runs float32, bfloat16 or float16 weights")

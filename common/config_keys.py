@@ -123,6 +123,11 @@ KEYS: list[Key] = [
     Key(S, "device", "device", str, lambda v: v in ("CPU", "Ascend", "GPU"), "one of CPU, Ascend, GPU",
         here="ours: `CPU`, `Ascend` or `GPU` (`--device`, or `LLM_SERVING_DEVICE`); the native kernels are CPU "
              "kernels, other devices run the plain MindSpore model"),
+    Key(S, "device_memory", "device_memory", parse_bytes, lambda v: v >= 0, "a byte count such as 32GiB",
+        here="ours: the memory of each device (Ascend, GPU; `--device-memory`) the memory plan holds one agent's "
+             "weights, KV cache, activations and runtime against: `num_blocks: auto` is sized from it and a config "
+             "that does not fit stops before anything loads (`llm-serving --dry-run --device Ascend` prints the plan "
+             "from any machine). 0: each agent reads its device's free memory from MindSpore at start"),
     Key(S, "kv_cache_memory", "kv_cache_memory", parse_bytes, lambda v: v >= 0, "a byte count such as 8GiB",
         here="ours: the KV pool per agent in bytes (`8GiB`, `512MiB`, `20G` = GiB, or an integer), vLLM's KV-space "
              "idea; implies `pa_config.num_blocks: auto` unless `num_blocks` is also set. Every start checks weights + "

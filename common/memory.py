@@ -82,7 +82,8 @@ def _gguf_shape(path: Path) -> ModelShape:
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
     """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16); int8 with int8
-    weights; else float32. 16-bit and int8 caches need the native kernels (else float32).
+    weights; else float32. bfloat16 and int8 caches need the native kernels (the plain path keeps
+    float32, or float16 beside float16 weights; asked for otherwise, agent.backend refuses them).
 
     int8 weights: a 64-row decode step reads the whole cache (at 192 keys of context 4x the weights'
     bytes), and paged attention's time follows its bytes. A float16 cache made a SmolLM2 step at 128
@@ -90,8 +91,8 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> 
     all-at-once run 1.07x and 1.30x faster than float16 (Zen 4, alternating servers). Perplexity
     (eval_quant's ~5000 tokens, Zen 4): int8 weights +0.57% over fp32 with it against +0.43% with
     float16 (standard errors 0.12-0.14 points); fp32 weights with an int8 cache +0.15%."""
-    if not native:
-        return "float32"
+    if not native and kv_cache_dtype == "auto":  # the plain path: float16 weights keep a float16 cache
+        return "float16" if model_dtype == "float16" else "float32"
     if kv_cache_dtype == "auto":
         return {"bfloat16": "bfloat16", "float16": "float16", "int8": "int8"}.get(model_dtype, "float32")
     return kv_cache_dtype
@@ -153,6 +154,7 @@ class MemoryPlan:
     num_blocks: int
     device: str = "CPU"
     kv_dtype: str = "float32"
+    dtype: str = "float32"  # the weights'
 
     @property
     def per_agent(self) -> int:
@@ -163,8 +165,18 @@ class MemoryPlan:
         return self.per_agent * self.agents
 
     def refusal(self) -> str | None:
-        """Why this cannot fit, in one line, or None (also None where the host's memory is unknown)."""
-        if self.device != "CPU" or self.available is None or self.total <= self.available:
+        """Why this cannot fit, in one line, or None (also None where the memory is unknown). On a
+        device (Ascend, GPU) each agent has its own: one agent's need against one device's memory."""
+        if self.available is None:
+            return None
+        if self.device != "CPU":
+            return None if self.per_agent <= self.available else (
+                f"one agent needs {gib(self.per_agent)} of {self.device} memory (weights {gib(self.weights)} in "
+                f"{self.dtype}, KV cache {gib(self.kv)} ({self.num_blocks} {self.kv_dtype} blocks), activations "
+                f"{gib(self.activations)}, runtime {gib(self.runtime)}) and a device has {gib(self.available)}: "
+                f"{gib(self.per_agent - self.available)} short; use model_dtype float16, fewer pa_config.num_blocks "
+                "(or num_blocks: auto), or tensor_parallel_size > 1")
+        if self.total <= self.available:
             return None
         return (f"the config needs {gib(self.total)} ({self.agents} agent(s) x {gib(self.per_agent)}: weights "
                 f"{gib(self.weights)}, KV cache {gib(self.kv)} ({self.num_blocks} {self.kv_dtype} blocks), activations "
@@ -173,30 +185,36 @@ class MemoryPlan:
                 "num_blocks: auto), or fewer agents")
 
     def describe(self) -> str:
-        where = "device memory is not checked from here" if self.device != "CPU" else (
-            "available: unknown" if self.available is None else f"available: {gib(self.available)}")
+        if self.device != "CPU":
+            where = (f"{self.device} memory: {gib(self.available)} a device" if self.available is not None else
+                     f"{self.device} memory: unknown here (serving_config.device_memory); each agent checks its device's")
+        else:
+            where = "available: unknown" if self.available is None else f"available: {gib(self.available)}"
         return "\n".join([
             f"per agent: {gib(self.per_agent)}",
-            f"  weights      {gib(self.weights)}",
+            f"  weights      {gib(self.weights)} ({self.dtype})",
             f"  KV cache     {gib(self.kv)} ({self.num_blocks} {self.kv_dtype} blocks)",
             f"  activations  {gib(self.activations)} (largest step)",
             f"  runtime      {gib(self.runtime)}",
-            f"agents on this host: {self.agents}; total {gib(self.total)}; {where}",
+            (f"agents on this host: {self.agents}; total {gib(self.total)}; {where}" if self.device == "CPU" else
+             f"agents: {self.agents}, one a device; {where}"),
             "fits" if self.refusal() is None else f"does not fit: {self.refusal()}"])
 
 
 def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available: int | None) -> int:
     """`num_blocks: auto`: `kv_cache_memory` bytes of blocks when set; else AUTO_KV_SHARE of what is
-    left per agent after `fixed` (weights, activations, runtime), capped at every running sequence
-    at full length; where the host's memory is unknown (other devices), that cap."""
+    left per agent after `fixed` (weights, activations, runtime) on the host, or on each device
+    (serving_config.device_memory), capped at every running sequence at full length; where the
+    memory is unknown, that cap."""
     per_block = kv_block_bytes(shape, cfg.block_size, kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU"))
     want = cfg.max_running * cfg.max_blocks_per_seq + 1
     if cfg.kv_cache_memory:
         budget = cfg.kv_cache_memory
-    elif cfg.device != "CPU" or available is None:
+    elif available is None:
         budget = want * per_block
-    else:
-        budget = min(want * per_block, int(AUTO_KV_SHARE * (available / max(agents, 1) - fixed)))
+    else:  # a device is each agent's own; the host's memory is shared by its agents
+        share = available if cfg.device != "CPU" else available / max(agents, 1)
+        budget = min(want * per_block, int(AUTO_KV_SHARE * (share - fixed)))
     blocks = int(max(budget, 0) // per_block)
     need = cfg.max_blocks_per_seq + 1
     if blocks < need:
@@ -206,16 +224,17 @@ def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available:
     return blocks
 
 
-def plan(cfg: Any, files: ModelFiles, agents: int) -> MemoryPlan:
-    """The memory plan of `cfg` with `agents` agents on this host; resolves `num_blocks: auto` (0)
-    into cfg.num_blocks."""
+def plan(cfg: Any, files: ModelFiles, agents: int, device_free: int | None = None) -> MemoryPlan:
+    """The memory plan of `cfg` with `agents` agents on this host (or on a device each: against
+    serving_config.device_memory, or `device_free` as an agent's runtime reports it); resolves
+    `num_blocks: auto` (0) into cfg.num_blocks."""
     tp = getattr(cfg, "tensor_parallel_size", 1)
     shape = model_shape(files).rank(tp)  # per agent: one rank's share
     weights = weight_bytes(shape, cfg.model_dtype, tp)
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
-    available = available_bytes()
+    available = available_bytes() if cfg.device == "CPU" else cfg.device_memory or device_free
     if not cfg.num_blocks:
         cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + RUNTIME_BYTES, available)
     kv_dtype = kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU")
     return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size, kv_dtype), activations, RUNTIME_BYTES,
-                      agents, available, cfg.num_blocks, cfg.device, kv_dtype)
+                      agents, available, cfg.num_blocks, cfg.device, kv_dtype, cfg.model_dtype)

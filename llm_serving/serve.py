@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from common.config import ConfigError, ServingConfig, load_config
+from common.config_values import parse_bytes
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
 from common.tokenizer import TextTokenizer
@@ -83,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
                          "int8 runs them as W8A8")
     ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                     help="model_config.kv_cache_dtype: auto = the weights' 16-bit dtype, int8 with int8 weights, else float32")
+    ap.add_argument("--device-memory", dest="device_memory", type=parse_bytes, metavar="BYTES",
+                    help="serving_config.device_memory: each device's memory for the plan, e.g. 32GiB")
     ap.add_argument("--device", choices=["CPU", "Ascend", "GPU"], help="serving_config.device: where the agents "
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
-                                               "overlap_steps", "device") if getattr(args, k) is not None}
+                                               "overlap_steps", "device", "device_memory") if getattr(args, k) is not None}
     if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)
         overrides["enable_prefix_caching"] = False
     started = time.monotonic()

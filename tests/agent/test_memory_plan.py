@@ -91,6 +91,37 @@ def test_dry_run_prints_the_plan_of_a_7b_config(tmp_path):
         assert big.returncode == 1 and "does not fit" in big.stdout
 
 
+LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("dtype,fits", [("float16", True), ("float32", False)])
+def test_the_contest_yaml_plans_llama2_7b_on_one_32gb_device(tmp_path, dtype, fits):
+    """The original's own YAML (1024 blocks of 16, 4096-token steps) on one 32 GiB Ascend device,
+    planned from this machine: float16 fits (weights ~12.6 GiB, a float16 KV cache of 8 GiB);
+    float32 does not, and the one line says by how much."""
+    model = tmp_path / "llama2-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA2_7B))
+    out = subprocess.run([sys.executable, "-m", "llm_serving.serve", "--config", "configs/original/llama2_7b_contest.yaml",
+                          "--model", str(model), "--dtype", dtype, "--dry-run", "--device", "Ascend",
+                          "--device-memory", "32GiB"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (out.returncode == 0) == fits, out.stdout + out.stderr
+    assert "Ascend memory: 32.00 GiB a device" in out.stdout
+    if fits:
+        assert "KV cache     8.00 GiB (1024 float16 blocks)" in out.stdout and out.stdout.rstrip().endswith("fits")
+    else:
+        line = out.stdout.splitlines()[-1]
+        assert line.startswith("does not fit") and "GiB short" in line and "float16" in line, line
+        assert "KV cache 16.00 GiB (1024 float32 blocks)" in line
+
+
+def test_other_devices_take_float32_or_float16_weights(tmp_path):
+    with pytest.raises(ConfigError, match="model_dtype bfloat16 on Ascend"):
+        load_config(None, device="Ascend", model_dtype="bfloat16")
+
+
 def test_auto_pool_from_kv_cache_memory_via_launch_agents_and_attach(tmp_path, tiny_model_dir):
     """launch_agents sizes `num_blocks: auto` from kv_cache_memory; a server attached with the same
     auto YAML takes the agents' pool (handshake num_blocks 0) and serves; /stats reports the pool."""
