@@ -40,6 +40,10 @@ class NativeAttention(nn.Cell):
         super().__init__()
         self.block_size = block_size
 
+    @staticmethod
+    def cache_shape(slots: int, kv: int, row: int) -> tuple[int, ...]:
+        return slots, kv, row
+
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
         return positions, context_slots(block_tables, self.block_size), token_rows, cos_table, sin_table
@@ -77,7 +81,12 @@ class PlainAttention(nn.Cell):
         rot[np.arange(half) + half, np.arange(half)] = -1.0
         rot[np.arange(half), np.arange(half) + half] = 1.0
         self.rotate = Tensor(rot)
-        self.bmm = ops.BatchMatMul()
+        self.bmm, self.bmm_t = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)
+
+    @staticmethod
+    def cache_shape(slots: int, kv: int, row: int) -> tuple[int, ...]:
+        """Head-major: a gather along the slots gives each head's context contiguous (`_attend`)."""
+        return kv, slots, row
 
     def context(self, positions: Tensor, token_rows: Tensor, block_tables: Tensor, cos_table: Tensor,
                 sin_table: Tensor) -> tuple:
@@ -131,25 +140,33 @@ class PlainAttention(nn.Cell):
         qk = qk.reshape(n, self.heads + self.kv, hd)
         qk = qk * cos + ops.matmul(qk.reshape(-1, hd), self.rotate).reshape(n, -1, hd) * sin
         q, k = ops.split(qk, (self.heads, self.kv), 1)
-        return (q, ops.scatter_update(k_cache, slots, ops.cast(k, self.kv_type)),
-                ops.scatter_update(v_cache, slots, ops.cast(v.reshape(n, self.kv, hd), self.kv_type)))
+        # (head, slot) of every head of every token: the caches are head-major [kv, slots, hd]
+        at = ops.stack((ops.arange(self.kv, dtype=ms.int32).reshape(self.kv, 1).broadcast_to((self.kv, n)),
+                        slots.reshape(1, n).broadcast_to((self.kv, n))), -1)
+        return (q, ops.scatter_nd_update(k_cache, at, ops.cast(k.transpose(1, 0, 2), self.kv_type)),
+                ops.scatter_nd_update(v_cache, at, ops.cast(v.reshape(n, self.kv, hd).transpose(1, 0, 2), self.kv_type)))
 
     def _attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, token_slots: Tensor, bias: Tensor) -> Tensor:
+        """Chunks of tokens one after another (each waits for the last: MindSpore then reuses one
+        chunk's gathered K/V for the next, where independent chunks each kept their own)."""
         n, ctx = token_slots.shape
         chunk = max(1, GATHER_BYTES // (ctx * self.kv * self.hd * 8))
-        if chunk >= n:
-            return self._attend(q, k_cache, v_cache, token_slots, bias)
         q = q.reshape(n, -1)
-        parts = [self._attend(q[s:s + chunk], k_cache, v_cache, token_slots[s:s + chunk], bias[s:s + chunk])
-                 for s in range(0, n, chunk)]  # static shapes: unrolled when the graph is built
-        return ops.concat(parts, 0)
+        parts: list[Tensor] = []
+        for s in range(0, n, chunk):  # static shapes: unrolled when the graph is built
+            slots = token_slots[s:s + chunk] if not parts else ops.depend(token_slots[s:s + chunk], parts[-1])
+            parts.append(self._attend(q[s:s + chunk], k_cache, v_cache, slots, bias[s:s + chunk]))
+        return parts[0] if len(parts) == 1 else ops.concat(parts, 0)
 
     def _attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, token_slots: Tensor, bias: Tensor) -> Tensor:
+        """Gathered along the slots of the head-major caches, K and V come out as [kv, T, C, hd]:
+        the MatMuls take them as they are (a transposed copy of each was kept for the graph's life)."""
         n, ctx = token_slots.shape
         kv, hd, grp = self.kv, self.hd, self.heads // self.kv
         flat = token_slots.reshape(-1)
-        k_t = ops.gather(k_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 3, 1)  # [T, kv, hd, C]
-        v_h = ops.gather(v_cache, flat, 0).reshape(n, ctx, kv, hd).transpose(0, 2, 1, 3)  # [T, kv, C, hd]
-        scores = ops.cast(self.bmm(ops.cast(q.reshape(n, kv, grp, hd), self.kv_type), k_t), ms.float32)
-        probs = ops.cast(ops.softmax(scores + bias, -1), self.kv_type)
-        return ops.cast(self.bmm(probs, v_h), ms.float32).reshape(n, kv * grp * hd)
+        k = ops.gather(k_cache, flat, 1).reshape(kv, n, ctx, hd)
+        v = ops.gather(v_cache, flat, 1).reshape(kv, n, ctx, hd)
+        qh = ops.cast(q.reshape(n, kv, grp, hd).transpose(1, 0, 2, 3), self.kv_type)  # [kv, T, grp, hd]
+        scores = ops.cast(self.bmm_t(qh, k), ms.float32)  # [kv, T, grp, C]
+        probs = ops.cast(ops.softmax(scores + bias.reshape(1, n, 1, ctx), -1), self.kv_type)
+        return ops.cast(self.bmm(probs, v), ms.float32).transpose(1, 0, 2, 3).reshape(n, kv * grp * hd)

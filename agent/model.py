@@ -141,7 +141,7 @@ class LlamaModel(nn.Cell):
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
         row = kv_head_bytes(cfg.head_dim, backend.kv_dtype) // np.dtype(KV_DTYPES[backend.kv_dtype]).itemsize
-        shape, kv_type = (num_slots, cfg.num_kv_heads, row), KV_DTYPES[backend.kv_dtype]
+        shape, kv_type = self.attn.cache_shape(num_slots, cfg.num_kv_heads, row), KV_DTYPES[backend.kv_dtype]
         # The caches' pages are faulted in at load, as vLLM allocates its cache (the pool fits: common.memory
         # planned it). Left to their first writes, a fresh server zeroed 2 MiB pages inside its first
         # steps: 1.5% of a 64-row decode step's samples (SmolLM2 int8, Zen 4).
