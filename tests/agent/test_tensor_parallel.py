@@ -32,7 +32,7 @@ from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
 from agent.tensor_parallel import Group, slot_floats
-from tests.agent.test_model_runner import PROMPTS, TOKEN_BUCKETS, PagedDriver
+from tests.agent.test_model_runner import PLAIN_BUCKETS, PROMPTS, TOKEN_BUCKETS, PagedDriver
 from tests.conftest import tiny_model_config
 from tests.reference import random_weights
 
@@ -40,7 +40,7 @@ rank, size, segment, out, steps, model, native, dtype = (int(sys.argv[1]), int(s
                                                          int(sys.argv[5]), sys.argv[6], sys.argv[7] == "native", sys.argv[8])
 if model == "tiny":
     cfg = tiny_model_config()
-    weights, buckets = random_weights(cfg, seed=0), TOKEN_BUCKETS
+    weights, buckets = random_weights(cfg, seed=0), TOKEN_BUCKETS if native else PLAIN_BUCKETS
 else:
     from agent.weights import load_model
     from common.model_files import resolve_model
