@@ -291,18 +291,14 @@ def test_plain_path_step_memory_is_bounded_at_4096_context():
     """A 512-token chunk at positions 3584-4095 of a 4096-context graph on the plain path, its first
     run (MindSpore allocates a graph's buffers then): gathering every token's whole context at once
     holds 512 x 4096 x kv x head_dim x 8 B = 512 MiB of K/V here (34 GB for llama2-7B); in chunks
-    of GATHER_BYTES the step's peak is less than half (measured 384 vs 840 MiB; ~300 MiB of it is
-    the rest of the graph, which smaller chunks do not shrink: 334 MiB at 16 MiB chunks)."""
+    of GATHER_BYTES the step's peak stays near the rest of the graph's ~300 MiB (measured 363 MiB
+    chunked, 619 MiB at once, on Zen 4)."""
     import subprocess
     import sys
 
-    def peak(gather_bytes: int) -> int:
-        out = subprocess.run([sys.executable, "-c", _PLAIN_4096, str(gather_bytes)], capture_output=True, text=True,
-                             cwd=ROOT, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return int(out.stdout.split()[-1])
-
     import agent.attention
 
-    chunked, whole = peak(agent.attention.GATHER_BYTES), peak(1 << 40)
-    assert whole - chunked > 200 << 20, (chunked >> 20, whole >> 20)
+    out = subprocess.run([sys.executable, "-c", _PLAIN_4096, str(agent.attention.GATHER_BYTES)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) < 480 << 20, out.stdout
