@@ -69,7 +69,7 @@ class ModelRunner:
         with fed rows filled in)."""
         qlens = x.query_lens
         n_rows, n_tokens = qlens.shape[0], x.tokens.shape[0]
-        starts = self._starts(qlens, n_tokens)
+        starts = row_starts(qlens, n_tokens)
         t_pad, r_pad = self.graph_for(x)
         where = logit_positions(x, starts)
         tokens = np.zeros(t_pad, np.int32)
@@ -92,24 +92,17 @@ class ModelRunner:
     def graph_for(self, x: StepInputs) -> tuple[int, int]:
         """(tokens, rows) of the graph that runs this step; ValueError if none can (checked before
         the model runs, so a bad step is refused without touching the runtime)."""
-        self._starts(x.query_lens, x.tokens.shape[0])
+        starts = row_starts(x.query_lens, x.tokens.shape[0])
         t_pad = bucket(x.tokens.shape[0], self.rc.token_buckets)
         r_pad = self.rc.rows_for(t_pad)
         if x.query_lens.shape[0] > r_pad:
             raise ValueError(f"{x.query_lens.shape[0]} rows exceed the {r_pad} of a {t_pad}-token step")
-        heads = logit_positions(x, self._starts(x.query_lens, x.tokens.shape[0])).size
-        if heads > max(self.rc.logit_rows_for(t_pad)):
-            raise ValueError(f"{heads} sampled and scored tokens exceed the {max(self.rc.logit_rows_for(t_pad))} "
-                             f"LM-head rows of a {t_pad}-token step")
+        heads, most = logit_positions(x, starts).size, max(self.rc.logit_rows_for(t_pad))
+        if heads > most:
+            raise ValueError(f"{heads} sampled and scored tokens exceed the {most} LM-head rows of a {t_pad}-token step")
         if np.any(x.slots < self.rc.block_size):  # the stack op tells padding from tokens by it
             raise ValueError("block 0 is reserved for padding: no token of a step may write it")
         return t_pad, r_pad
-
-    @staticmethod
-    def _starts(qlens: np.ndarray, n_tokens: int) -> np.ndarray:
-        if int(qlens.sum()) != n_tokens or np.any(qlens <= 0):
-            raise ValueError("query_lens must be positive and sum to n_tokens")
-        return (np.cumsum(qlens) - qlens).astype(np.int64)
 
     def step(self, v: StepView, free: list[int], grammars: list[list[Any]] | None = None) -> float:
         """Run one step described by arena views `v`; writes its outputs. Returns model seconds.
@@ -119,7 +112,7 @@ class ModelRunner:
         x = v.inputs
         if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
             return 0.0
-        starts = self._starts(x.query_lens, x.tokens.shape[0])
+        starts = row_starts(x.query_lens, x.tokens.shape[0])
         tokens, unfed = self.seqs.feed(x, starts)
         self.seqs.track(x, tokens, v.sampling, starts)
         t0 = time.perf_counter()
@@ -183,3 +176,10 @@ def logit_positions(x: StepInputs, starts: np.ndarray) -> np.ndarray:
     last = starts + x.query_lens - 1
     scored = np.nonzero(x.targets >= 0)[0]
     return np.concatenate([last, np.setdiff1d(scored, last)]) if scored.size else last
+
+
+def row_starts(qlens: np.ndarray, n_tokens: int) -> np.ndarray:
+    """Each row's first token index in the packed step (ValueError unless the lengths add up)."""
+    if int(qlens.sum()) != n_tokens or np.any(qlens <= 0):
+        raise ValueError("query_lens must be positive and sum to n_tokens")
+    return (np.cumsum(qlens) - qlens).astype(np.int64)

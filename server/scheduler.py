@@ -112,6 +112,13 @@ class StepPlan:
         return sum(p.n_tokens for p in self.rows if p.start < len(p.seq.prompt))
 
 
+def score_room(plan: list[Planned], cfg: ServingConfig) -> int:
+    """Most tokens of a scored row in this step: its scored tokens share the graph's LM-head rows
+    with every row's last token (at most max_running of them, in a step of at most the mixed
+    budget, agent/runner_config.py); nothing is planned after it."""
+    return min(cfg.max_running - len(plan), cfg.mixed_step_tokens - sum(p.n_tokens for p in plan))
+
+
 def end_at_bucket(plan: list[Planned], buckets: list[int]) -> None:
     """Cut the last prefill chunk so the step fills the bucket below instead of padding most of
     the one above: only when the cut is smaller than the padding saved (the cut tokens pad a later
@@ -228,7 +235,7 @@ class Scheduler:
                 break
             if seq not in self.running or seq.remaining <= 1:
                 continue
-            n = min(seq.remaining, budget, self._score_room(plan) if seq.scoring else budget)
+            n = min(seq.remaining, budget, score_room(plan, self.cfg) if seq.scoring else budget)
             if n > 0 and self._reserve(seq, seq.computed + n, plan):
                 plan.append(Planned(seq, n, n == seq.remaining))
                 budget = 0 if seq.scoring else budget - n
@@ -243,7 +250,7 @@ class Scheduler:
             if not seq.table and not seq.scoring:
                 seq.table = self.blocks.match_prefix(seq.tokens)
                 seq.computed = len(seq.table) * self.cfg.block_size
-            n = min(seq.remaining, budget, self._score_room(plan) if seq.scoring else budget)
+            n = min(seq.remaining, budget, score_room(plan, self.cfg) if seq.scoring else budget)
             if n <= 0 or not self.blocks.grow(seq.table, seq.computed + n):
                 self.blocks.release(seq.table)
                 seq.computed = 0
@@ -266,12 +273,6 @@ class Scheduler:
         if plan:
             self.freed = []
         return step
-
-    def _score_room(self, plan: list[Planned]) -> int:
-        """Most tokens of a scored row in this step: its scored tokens share the graph's LM-head rows
-        with every row's last token (at most max_running of them, in a step of at most the mixed
-        budget, agent/runner_config.py); nothing is planned after it."""
-        return min(self.max_running - len(plan), self.cfg.mixed_step_tokens - sum(p.n_tokens for p in plan))
 
     def update(self, plan: StepPlan, sampled: list[int | None]) -> None:
         """A step's reply: its samples are no longer pending, the full blocks it computed are
