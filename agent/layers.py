@@ -39,12 +39,6 @@ def param(name: str, arr: np.ndarray) -> Parameter:
     return _on(name, values)
 
 
-def bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 # ------------------------------------------------------------------ norms and element-wise parts
 ACTIVATIONS = {"silu": 0.0, "gelu_tanh": 1.0}  # the gated MLP's activation, as the native kernels take it
 

@@ -10,8 +10,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agent.layers import bf16_bits, param, zeros_param
-from agent.quant import Int8Rows
+from agent.kernels import pack_int8_channel
+from agent.layers import param, zeros_param
+from agent.quant import Int8Rows, bf16_bits
 
 BF16_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp)
 LAYER_KINDS = ("qkv", "o", "gate_up", "down")
@@ -198,7 +199,8 @@ class F16Linear(F32Linear):
 class Int8Linear(NativeLinear):
     """W8A8 (agent/kernels/linear_int8.cpp): int8 rows, their group scales and the input factor
     (norm gain over the smoothing factor) applied where the kernel quantises the activations; the
-    norm and SwiGLU feeding a projection run in that same pass (a dispatch less each)."""
+    norm and SwiGLU feeding a projection run in that same pass (a dispatch less each). Rows with one
+    scale per channel are stored as oneDNN packs them for this CPU (agent/kernels/int8_channel.cpp)."""
 
     op_name = "linear_i8"
     fused = ("add_rms_linear_i8", "swiglu_linear_i8", "rope_attention_linear_i8")
@@ -207,7 +209,8 @@ class Int8Linear(NativeLinear):
     @staticmethod
     def stored(prepared: tuple[Int8Rows, np.ndarray]) -> tuple[np.ndarray, ...]:
         rows, gain = prepared
-        return rows.q, rows.scale, np.asarray(gain, np.float32)
+        q = pack_int8_channel(rows.q) if rows.channel else rows.q
+        return q, rows.scale, np.asarray(gain, np.float32)
 
     def weights(self, i: int) -> tuple:
         return self.w0[i], self.w1[i], self.w2[i]

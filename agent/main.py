@@ -20,6 +20,9 @@ from shm.curve import INSECURE_ENV, KeyFolder, exposure
 from shm.endpoint import PortInUse, PortLock, agent_address
 from shm.messages import AgentInfo
 
+# quant_group_size's special values, as the load line names them
+GROUP_WORDS = {0: "8th of a row and token", -1: "output channel and token (down projection: groups)"}
+
 log = logging.getLogger("llm_serving.agent")
 
 
@@ -160,7 +163,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,
-             f", int8 scale per {cfg.quant_group_size or 'row and token'}" if int8 else "", device, device_id)
+             f", int8 scale per {GROUP_WORDS.get(rc.int8_group, rc.int8_group)}" if int8 else "", device, device_id)
     log.info("CPU: %s; kernels: %s", describe(), runner.kernel_paths)
     if cfg.warmup:
         runner.warmup()

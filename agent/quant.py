@@ -1,21 +1,30 @@
 """Int8 weights for the W8A8 projections (agent/kernels/linear_int8.cpp): symmetric, one scale per
 group of G consecutive inputs of each output channel. Rows are cut into blocks of 8 groups and
 stored interleaved (vector t of a block holds bytes 4t..4t+3 of each of its 8 groups), so the
-kernel's int32 lane l sums group l alone; see the kernel's header."""
+kernel's int32 lane l sums group l alone; see the kernel's header. Group CHANNEL: one scale per
+output channel, rows in natural order, for oneDNN's int8 matmul (agent/kernels/int8_channel.cpp),
+which packs them at load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import QUANT_GROUP_SIZE
+from common.config import CHANNEL_GROUP, QUANT_GROUP_SIZE
 
 LANES = 8  # groups per block: one per int32 lane of the kernel's accumulators
 QMAX = 127  # symmetric: -128 never occurs, so |x| * sign(w) in the kernel cannot overflow
 ALPHA = 0.5  # SmoothQuant's migration strength (agent/calibrate); 0.4-0.5 measured best on SmolLM2
 
 
+CHANNEL = CHANNEL_GROUP  # one scale per output channel (and per token): GPTQ's and vLLM's group size -1
 PAD_TOLERANCE = 0.01  # of a row's inputs: padding costs multiply-adds and bytes, a block one scaling pass
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def group_for(k: int, target: int) -> int:
@@ -57,12 +66,17 @@ class Int8Rows:
     k: int
 
     @property
+    def channel(self) -> bool:
+        """One scale per output channel: natural order, no padding."""
+        return self.scale.shape[1] == 1 and self.q.shape[1] == self.k
+
+    @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.k
 
     @property
     def group(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
+        return CHANNEL if self.channel else self.q.shape[1] // self.scale.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -77,11 +91,11 @@ class Int8Rows:
 
     def natural(self) -> np.ndarray:
         """The int8 values in input order [N, Kp]."""
-        return deinterleave(self.q, self.group)
+        return self.q if self.channel else deinterleave(self.q, self.group)
 
     def dequantize(self) -> np.ndarray:
         n, kp = self.q.shape
-        w = self.natural().reshape(n, -1, self.group).astype(np.float32) * self.scale[..., None]
+        w = self.natural().reshape(n, self.scale.shape[1], -1).astype(np.float32) * self.scale[..., None]
         return w.reshape(n, kp)[:, :self.k]
 
 
@@ -99,9 +113,13 @@ def _pack(q: np.ndarray, scale: np.ndarray, k: int, group: int) -> Int8Rows:
 
 def quantize(w: np.ndarray, group: int = QUANT_GROUP_SIZE, exact: bool = False) -> Int8Rows:
     """Float weights [N, K] -> int8 with scale max|w| / 127 per group of group_for(K, group) inputs,
-    or of `group` itself when exact (round to nearest)."""
+    or of `group` itself when exact (round to nearest); per output channel where group is CHANNEL."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
+    if group == CHANNEL:
+        amax = np.abs(w).max(axis=1, keepdims=True)
+        inv = np.divide(QMAX, amax, out=np.zeros_like(amax), where=amax > 0)
+        return Int8Rows(np.rint(w * inv).astype(np.int8), (amax / QMAX).astype(np.float32), k)
     g = group if exact else group_for(k, group)
     kg = -(-k // g) * g
     padded = np.zeros((n, kg), np.float32)

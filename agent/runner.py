@@ -37,7 +37,7 @@ class ModelRunner:
         backend = Backend(rc.model_dtype, lib, kv_dtype_for(rc.kv_cache_dtype, rc.model_dtype, lib is not None),
                           rc.int8_group, ranges, rc.tp.size)
         self.kv_dtype = backend.kv_dtype
-        self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype)
+        self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype, rc.int8_group)
         shard_cfg, weights = shard(model_cfg, weights, rc.tp, lib)  # tensor parallel: this rank's share
         self.model = LlamaModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.graph = GraphCall(self.model)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import QUANT_GROUP_SIZE
+from common.config import QUANT_GROUP_SIZE, int8_group
+from common.cpu import cpu_flags
 from agent.model import LlamaConfig
 from agent.tensor_parallel import Group
 
@@ -49,7 +50,7 @@ class RunnerConfig:
         return cls(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                    token_buckets=cfg.token_buckets, max_running=cfg.max_running, mixed_tokens=cfg.mixed_step_tokens,
                    prefill_rows=cfg.max_prefill_rows, model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                   int8_group=cfg.quant_group_size, tp=tp)
+                   int8_group=int8_group(cfg.quant_group_size, cpu_flags()), tp=tp)
 
     @property
     def width(self) -> int:

@@ -44,6 +44,11 @@ def as_int(value: Any) -> int:
     return int(value)
 
 
+def as_group(value: Any) -> int | str:
+    """quant_group_size: `auto`, or a number."""
+    return "auto" if str(value).strip().lower() == "auto" else as_int(value)
+
+
 def as_float(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError(value)

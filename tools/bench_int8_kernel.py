@@ -1,16 +1,19 @@
-"""One int8 projection (agent/kernels/linear_int8.cpp's LinearInt8, as the agent builds it for this
-CPU) against oneDNN's fp32 sgemm (the libdnnl MindSpore ships) on the same shapes, in this process
-on the cores it may use: ms per call, the ratio and int8's GMAC/s.
+"""One projection on each native path (agent/kernels: the agent's build for this CPU) against oneDNN's
+fp32 sgemm (the libdnnl MindSpore ships) on the same shapes, in this process on the cores it may
+use: bf16 weights (LinearBlocks), int8 in groups (the hand-written VNNI kernel, LinearInt8) and int8
+per channel (oneDNN's int8 matmul, `quant_group_size: -1`); ms per call, each path's speed over
+sgemm's, per-channel int8 over bf16, and per-channel int8's largest error against an exact NumPy
+reference of the same integers (it must stay at float32 rounding, ~1e-7, on every CPU).
 
     python tools/bench_int8_kernel.py [--shapes 576x1536,1536x576,576x3072] [--tokens 1,4,64,256]
                                       [--cores 1] [--calls 200] [--group 64]
 
 Each time is the 10th percentile of --calls calls: on a shared VM a run's speed halves now and then,
 and the fast calls show what the code does. Weights stay in cache between calls (a decode step
-streams them from memory: tools/bench_agent.py measures that). The weights start on a cache line, as
-the agent places them (agent.kernels.line_aligned), or --offset bytes past one: 16 or 32 bytes
-past one (where malloc and MindSpore's own Parameters start) made a call 1.09-1.29x slower on a
-Zen 4 (every other 32-byte load spans two lines). Each row prints the offset it ran with.
+streams them from memory: tools/bench_agent.py measures that). The grouped int8 weights start on a
+cache line, as the agent places them (agent.kernels.line_aligned), or --offset bytes past one: 16 or
+32 bytes past one (where malloc and MindSpore's own Parameters start) made a call 1.09-1.29x slower
+on a Zen 4 (every other 32-byte load spans two lines).
 """
 from __future__ import annotations
 
@@ -56,20 +59,30 @@ def kernel_library() -> tuple[str, C.CDLL] | None:
     return path, C.CDLL(path)
 
 
+def channel_error(x: np.ndarray, rows, g: np.ndarray, y: np.ndarray) -> float:
+    """Largest error of y against the per-channel recipe computed exactly (int64 sums, float64 scales),
+    over the largest |reference|."""
+    xg = x * g
+    amax = np.abs(xg).max(1, keepdims=True)
+    qx = np.rint(xg * np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)).astype(np.int64)
+    ref = (qx @ rows.q.astype(np.int64).T) * rows.scale.T.astype(np.float64) * (amax.astype(np.float64) / 127)
+    return float(np.abs(ref - y).max() / max(np.abs(ref).max(), 1e-30))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="576x1536,1536x576,576x3072", help="K x N: inputs x outputs")
     ap.add_argument("--tokens", default="1,4,64,256")
     ap.add_argument("--cores", type=int, default=1, help="run on this many of the allowed cores")
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--group", type=int, default=64, help="at most this many inputs per int8 scale")
-    ap.add_argument("--offset", type=int, default=0, help="weights start this many bytes past a cache line")
+    ap.add_argument("--group", type=int, default=64, help="at most this many inputs per int8 scale (grouped path)")
+    ap.add_argument("--offset", type=int, default=0, help="grouped weights start this many bytes past a cache line")
     args = ap.parse_args(argv)
     # Before the library loads: its worker pool sizes itself from this process's affinity.
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 
-    from agent.kernels import CACHE_LINE, _dnnl_flags, kernel_paths, line_aligned
-    from agent.quant import quantize
+    from agent.kernels import CACHE_LINE, _dnnl_flags, kernel_paths, line_aligned, pack_int8_channel
+    from agent.quant import CHANNEL, bf16_bits, quantize
     from common.cpu import describe
 
     found = kernel_library()
@@ -80,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     dnnl.dnnl_sgemm.argtypes = [C.c_char, C.c_char, C.c_int64, C.c_int64, C.c_int64, C.c_float, C.c_void_p,
                                 C.c_int64, C.c_void_p, C.c_int64, C.c_float, C.c_void_p, C.c_int64]
     print(f"CPU: {describe()}; {args.cores} core(s)")
-    print(kernel_paths(path, "int8"))
-    print(f"{'K x N':>12}{'tokens':>8}{'fp32 sgemm':>13}{'int8':>11}{'ratio':>8}{'int8 GMAC/s':>13}"
-          f"{'weights % 64':>14}")
+    for dtype, group in (("bfloat16", 0), ("int8", 0), ("int8", CHANNEL)):
+        print(kernel_paths(path, dtype, group))
+    print(f"{'K x N':>12}{'tokens':>7}{'fp32 sgemm':>12}{'bf16':>8}{'int8 grp':>9}{'int8 ch':>8}"
+          f"{'ch / bf16':>10}{'ch GMAC/s':>10}{'ch error':>10}")
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
@@ -91,16 +105,27 @@ def main(argv: list[str] | None = None) -> int:
         qw = line_aligned((rows.q.size + CACHE_LINE,), np.int8)[args.offset % CACHE_LINE:][:rows.q.size]
         qw = qw.reshape(rows.q.shape)
         qw[...] = rows.q
+        chan = quantize(w, CHANNEL)
+        packed = pack_int8_channel(chan.q)
+        # linear_blocks.cpp's bf16 weights: 64-column blocks [N / 64, K, 64], N padded to whole blocks
+        wb = np.ascontiguousarray(bf16_bits(np.pad(w, ((0, -n % 64), (0, 0)))).reshape(-1, 64, k).transpose(0, 2, 1))
         for m in (int(t) for t in args.tokens.split(",")):
             x = rng.standard_normal((m, k)).astype(np.float32)
             y = np.zeros((m, n), np.float32)
-            g = np.ones(k, np.float32)  # named: the call reads it after _array_args returns
-            call = _array_args([x, qw, rows.scale, g, y])
-            int8 = _per_call(lambda: lib.LinearInt8(*call), args.calls)
-            fp32 = _per_call(lambda: dnnl.dnnl_sgemm(b"N", b"N", m, n, k, 1.0, x.ctypes.data, k, wt.ctypes.data, n,
-                                                     0.0, y.ctypes.data, n), args.calls)
-            print(f"{shape:>12}{m:>8}{fp32 * 1e3:>10.3f} ms{int8 * 1e3:>8.3f} ms{fp32 / int8:>7.2f}x"
-                  f"{m * n * k / int8 / 1e9:>13.1f}{qw.ctypes.data % CACHE_LINE:>14}")
+            g = np.ones(k, np.float32)  # named: the calls read it after _array_args returns
+            yb = np.zeros((m, wb.shape[0] * 64), np.float32)
+            calls = {"bf16": _array_args([x, wb, yb]), "grp": _array_args([x, qw, rows.scale, g, y]),
+                     "ch": _array_args([x, packed, chan.scale, g, y])}
+            t = {"bf16": _per_call(lambda: lib.LinearBlocks(*calls["bf16"]), args.calls),
+                 "grp": _per_call(lambda: lib.LinearInt8(*calls["grp"]), args.calls),
+                 "ch": _per_call(lambda: lib.LinearInt8(*calls["ch"]), args.calls),
+                 "fp32": _per_call(lambda: dnnl.dnnl_sgemm(b"N", b"N", m, n, k, 1.0, x.ctypes.data, k, wt.ctypes.data, n,
+                                                           0.0, y.ctypes.data, n), args.calls)}
+            lib.LinearInt8(*calls["ch"])
+            err = channel_error(x, chan, g, y)
+            print(f"{shape:>12}{m:>7}{t['fp32'] * 1e3:>9.3f} ms" + "".join(f"{t['fp32'] / t[p]:>7.2f}x" + " " * (p == "grp")
+                                                                      for p in ("bf16", "grp", "ch"))
+                  + f"{t['bf16'] / t['ch']:>9.2f}x{m * n * k / t['ch'] / 1e9:>10.1f}{err:>10.1e}")
     return 0
 
 

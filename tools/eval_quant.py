@@ -128,7 +128,7 @@ def evaluate(model: str, dtype: str, n: int, group: int = QUANT_GROUP_SIZE, kv: 
     nll, top = corpus_nll(runner, corpus)
     continuations = greedy(runner, [tok.encode(p) for p in PROMPTS], n)
     if dtype == "int8":
-        dtype += f" (group <= {group})" if group else " (8 groups per row)"
+        dtype += {0: " (8 groups per row)", -1: " (per channel)"}.get(group, f" (group <= {group})")
     dtype += f", {runner.kv_dtype} KV"
     return {"dtype": dtype, "perplexity": float(np.exp(np.mean(nll))), "nll": nll, "tokens": len(corpus), "top": top,
             "greedy": continuations,
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="int8")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--groups", default=str(QUANT_GROUP_SIZE), help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row)")
+    ap.add_argument("--groups", default=str(QUANT_GROUP_SIZE), help="int8 group sizes to compare (at most G inputs per scale; 0: 8 per row; -1: per channel)")
     ap.add_argument("--kv", default="auto", help="KV cache dtypes to compare for --dtype (kv_cache_dtype values)")
     ap.add_argument("--llama-cpp", help="a llama-server binary: also compare llama.cpp q8_0 with its f32")
     ap.add_argument("--gguf-dir", type=Path, help="folder with model-f32.gguf and model-q8_0.gguf")

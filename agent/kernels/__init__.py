@@ -136,12 +136,14 @@ def library() -> str | None:
     return str(out)
 
 
-def kernel_paths(lib: str | None, dtype: str) -> str:
-    """The path the projections of `dtype` take with this build on this CPU."""
+def kernel_paths(lib: str | None, dtype: str, int8_group: int = 0) -> str:
+    """The path the projections of `dtype` take with this build on this CPU (int8 per channel where
+    `int8_group` is -1: the implementation oneDNN picked)."""
     if lib is None:
         return "plain MindSpore ops (native kernels off)"
-    fn = getattr(ctypes.CDLL(lib), {"int8": "Int8KernelPath", "bfloat16": "Bf16KernelPath", "float16": "F16KernelPath",
-                                    "float32": "F32KernelPath"}[dtype])
+    name = {"int8": "Int8ChannelKernelPath" if int8_group == -1 else "Int8KernelPath", "bfloat16": "Bf16KernelPath",
+            "float16": "F16KernelPath", "float32": "F32KernelPath"}[dtype]
+    fn = getattr(ctypes.CDLL(lib), name)
     fn.restype = ctypes.c_char_p
     return fn().decode()
 
@@ -169,9 +171,9 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "linear_blocks": custom("LinearBlocks", lambda x, w: [x[0], w[0] * w[2]], same),
         "add_rms_linear": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[0] * w[2]]), pair),
         "swiglu_linear": custom("SwiGluLinear", lambda gu, c, w: [gu[0], w[0] * w[2]], same),
-        "linear_i8": custom("LinearInt8", lambda x, w, *_: [x[0], w[0]], same),
-        "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, *_: (x, [x[0], w[0]]), pair),
-        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, c, w, *_: [gu[0], w[0]], same),
+        "linear_i8": custom("LinearInt8", lambda x, w, sw, *_: [x[0], sw[0]], same),  # sw [N, groups]
+        "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, sw, *_: (x, [x[0], sw[0]]), pair),
+        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, c, w, sw, *_: [gu[0], sw[0]], same),
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu, c: [gu[0], gu[1] // 2], same),
@@ -180,7 +182,7 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, prologue, the weights
         "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[9][0] * a[9][2]],
                                                       same)),
-        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[9][0]],
+        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[10][0]],
                                                          same)),
         # inputs: x, the attention's shared 6, eps, the K and V caches, the prologues, each kind's weights: every
         # layer's stacked
@@ -189,3 +191,25 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "all_reduce": custom("AllReduce", same, same),
         "all_gather": custom("AllGather", lambda x: [x[0], x[1] * tp_size], same),
     }
+
+
+def pack_int8_channel(q: np.ndarray) -> np.ndarray:
+    """int8 rows [N, K] (one scale per row) -> the bytes oneDNN's int8 matmul reads them from on this
+    CPU (agent/kernels/int8_channel.cpp), line-aligned."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("int8 per-channel weights need the native kernels (a C++ compiler, LLM_SERVING_NATIVE=1)")
+    cdll = ctypes.CDLL(lib)
+    n, k = q.shape
+    cdll.Int8ChannelBytes.restype = ctypes.c_int64
+    size = cdll.Int8ChannelBytes(ctypes.c_int64(k), ctypes.c_int64(n))
+    if size <= 0:
+        cdll.Int8ChannelKernelPath.restype = ctypes.c_char_p
+        raise RuntimeError(f"quant_group_size -1 cannot run on this CPU: {cdll.Int8ChannelKernelPath().decode()}; "
+                           "use a group size (the default, 72)")
+    rows = np.ascontiguousarray(q, np.int8)
+    out = line_aligned((size,), np.int8)
+    if cdll.Int8ChannelPack(ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_void_p(rows.ctypes.data),
+                            ctypes.c_void_p(out.ctypes.data)):
+        raise RuntimeError(f"packing int8 weights [{k}, {n}] for oneDNN failed")
+    return out

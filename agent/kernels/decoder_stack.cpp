@@ -47,7 +47,7 @@ struct Args {
 // rope table; where P has room for them, the gains of the norms on the attention's and the MLP's
 // outputs, applied before each residual add) [L, P]; then the
 // weights of Q|K|V, o, gate|up and down, `per` inputs each, every layer's stacked [L, ...] (`per`:
-// 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g). Output: the final RMSNorm of
+// 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g, or oneDNN's packed bytes, sw [N, 1], g). Output: the final RMSNorm of
 // the last layer's output [n, H] (its gain is folded into the LM head).
 constexpr int COS = 1, SIN = 2, POSITIONS = 3, SLOTS = 4, CONTEXT = 5, ROWS = 6, EPS = 7, K_CACHE = 8, V_CACHE = 9,
               PROLOGUE = 10, WEIGHTS = 11;
@@ -85,9 +85,10 @@ struct Stack {
   void weights(Args &a, int kind, int64_t i) const {
     for (int j = 0; j < per; ++j) slice(a, weight(kind, j), i);
   }
-  int64_t width(int kind) const {  // output columns of a weight of this kind
+  int64_t width(int kind) const {  // output columns of a weight of this kind (int8: rows of its scales)
+    if (per == 3) return shapes[weight(kind, 1)][1];
     const int64_t *s = shapes[weight(kind, 0)] + 1;
-    return per == 1 ? s[0] * s[2] : s[0];
+    return s[0] * s[2];
   }
 };
 
@@ -96,7 +97,7 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   const int inputs = nparam - 1;
   if (ndims[0] != 2 || inputs != WEIGHTS + 4 * per || ndims[K_CACHE] < 1) return 1;
   const Stack st{per, shapes[K_CACHE][0], params, ndims, shapes, dtypes};
-  if (!st.valid(inputs) || ndims[st.weight(0, 0)] != (per == 1 ? 4 : 3)) return 1;
+  if (!st.valid(inputs) || (per == 1 ? ndims[st.weight(0, 0)] != 4 : ndims[st.weight(0, 1)] != 3)) return 1;
   const int64_t padded = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
   if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
   const int64_t hd = kernels::cache_head_dim(shapes[K_CACHE][3], dtypes[K_CACHE]);

@@ -211,14 +211,6 @@ struct Dnnl {
   std::string impl;
 };
 
-dnnl_engine_t engine() {
-  static dnnl_engine_t e = [] {
-    dnnl_engine_t made = nullptr;
-    return dnnl_engine_create(&made, dnnl_cpu, 0) == dnnl_success ? made : nullptr;
-  }();
-  return e;
-}
-
 dnnl_memory_desc_t strided(std::initializer_list<int64_t> dims, int dt, std::initializer_list<int64_t> strides) {
   dnnl_dims_t d = {}, s = {};
   std::copy(dims.begin(), dims.end(), d);
@@ -230,7 +222,7 @@ dnnl_memory_desc_t strided(std::initializer_list<int64_t> dims, int dt, std::ini
 
 // dt: dnnl_f32 or dnnl_bf16, for x and w alike.
 std::unique_ptr<Dnnl> build(int dt, int64_t m, int64_t k, int64_t blocks, int64_t n) {
-  dnnl_engine_t eng = engine();
+  dnnl_engine_t eng = kernels::cpu_engine();
   if (!eng) return nullptr;
   dnnl_memory_desc_t sm = strided({1, m, k}, dt, {m * k, k, 1});
   dnnl_memory_desc_t wm = strided({blocks, k, NB}, dt, {k * NB, NB, 1});
@@ -281,7 +273,7 @@ int dnnl_blocks(int dt, const void *x, int64_t m, int64_t k, int64_t n, const vo
   const int64_t size = dt == dnnl_f32 ? 4 : 2;
   dnnl_stream_t stream = nullptr;
   thread_local dnnl_stream_t own = nullptr;
-  if (!own && dnnl_stream_create(&own, engine(), dnnl_stream_in_order) != dnnl_success) return 1;
+  if (!own && dnnl_stream_create(&own, kernels::cpu_engine(), dnnl_stream_in_order) != dnnl_success) return 1;
   stream = own;
   dnnl_memory_set_data_handle(d->src, const_cast<void *>(x));
   dnnl_memory_set_data_handle(d->wei, const_cast<char *>(static_cast<const char *>(w) + b * k * NB * size));

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "buffers.h"
+#include "int8_channel.h"
 #include "parallel.h"
 #include "rows.h"
 
@@ -82,13 +83,31 @@ constexpr int64_t PF_ROWS = 4;  // weight rows prefetched ahead of the tile's
 constexpr int64_t STREAM_M = 4;
 
 struct Shape {
-  int64_t kp, gs, ng;  // padded width, group size, groups per row
+  int64_t kp, gs, ng;    // padded width, group size, groups per row
+  bool channel = false;  // one scale per output channel: oneDNN's packed weights (int8_channel.cpp)
 };
 
 // Position of input i (of a row) in the interleaved layout.
 inline int64_t slot(int64_t i, int64_t gs) {
   const int64_t block = i / (LANES * gs), in = i % (LANES * gs), lane = in / gs, e = in % gs;
   return block * LANES * gs + (e / 4) * KB + lane * 4 + e % 4;
+}
+
+// max |x[i] * g[i]| over [b, e).
+float scaled_max(const float *x, const float *g, int64_t b, int64_t e) {
+  float amax = 0.f;
+  int64_t i = b;
+#if defined(__AVX2__)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (; i + 8 <= e; i += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i))));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; i < e; ++i) amax = std::max(amax, std::fabs(x[i] * g[i]));
+  return amax;
 }
 
 // Quantises row x[0..k) * g into q (interleaved, zero-padded to kp), one scale per group into s.
@@ -99,20 +118,8 @@ void quantize_row(const float *x, const float *g, int64_t k, Shape sh, bool offs
   std::memset(q, 0, sh.kp);
   for (int64_t b = 0; b < sh.kp; b += sh.gs) {
     const int64_t e = std::min(k, b + sh.gs);
-    float amax = 0.f;
+    const float amax = scaled_max(x, g, b, e), inv = amax > 0.f ? 127.f / amax : 0.f;
     int64_t i = b;
-#if defined(__AVX2__)
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 vmax = _mm256_setzero_ps();
-    for (; i + 8 <= e; i += 8)
-      vmax = _mm256_max_ps(vmax, _mm256_and_ps(abs_mask, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i))));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vmax);
-    for (float v : lanes) amax = std::max(amax, v);
-#endif
-    for (; i < e; ++i) amax = std::max(amax, std::fabs(x[i] * g[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    i = b;
 #if defined(__AVX2__)
     // Group b / gs is lane (b / gs) % 8 of its block; its inputs 4j..4j+3 fill bytes 32j + 4 lane.
     int8_t *dst = q + (b / (LANES * sh.gs)) * LANES * sh.gs + ((b / sh.gs) % LANES) * 4;
@@ -506,23 +513,63 @@ void channel_block(int64_t m, const int8_t *qx, const float *sx, Channels c, Sha
   if (i < m) run(std::integral_constant<int, 1>{}, i);
 }
 
-// Parses qw [N, Kp] int8, sw [N, Kp/G], g [K] at params index w for inputs of width k.
+// Parses qw [N, Kp] int8, sw [N, Kp/G], g [K] at params index w for inputs of width k; or, with
+// one scale per channel (sw [N, 1]), qw as oneDNN's packed bytes for [k, N].
 bool weight_shape(int nparam, int w, int64_t **shapes, const char **dtypes, int64_t k, Shape *s, int64_t *n) {
   if (nparam <= w + 2 || std::strcmp(dtypes[w], "int8") || std::strcmp(dtypes[w + 1], "float32") ||
-      std::strcmp(dtypes[w + 2], "float32"))
+      std::strcmp(dtypes[w + 2], "float32") || shapes[w + 2][0] != k)
     return false;
-  *n = shapes[w][0];
+  *n = shapes[w + 1][0];
+  if (shapes[w + 1][1] == 1) {
+    *s = Shape{k, k, 1, true};
+    const int64_t bytes = kernels::int8_channel_bytes(k, *n);
+    return bytes > 0 && shapes[w][0] == bytes;
+  }
   *s = Shape{shapes[w][1], 0, shapes[w + 1][1]};
-  if (s->ng <= 0 || s->kp % s->ng || shapes[w + 1][0] != *n || shapes[w + 2][0] != k) return false;
+  if (s->ng <= 0 || s->kp % s->ng || shapes[w][0] != *n) return false;
   s->gs = s->kp / s->ng;
   return s->ng % LANES == 0 && s->gs % 4 == 0 && s->kp >= k && s->kp - k < LANES * s->gs;
+}
+
+// Row x[0..k) * g quantised to s8 with one scale, max|x * g| / 127 (per token). Vectorised as
+// quantize_row, with the same operations (cvtps rounds to nearest even, as nearbyint does).
+void quantize_token(const float *x, const float *g, int64_t k, int8_t *q, float *scale) {
+  const float amax = scaled_max(x, g, 0, k), inv = amax > 0.f ? 127.f / amax : 0.f;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= k; i += 8) {
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i)), vinv));
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i *>(q + i), _mm_packs_epi16(w16, w16));
+  }
+#endif
+  for (; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * g[i] * inv));
+  *scale = amax / 127.f;
+}
+
+// The per-channel recipe: tokens quantised whole, oneDNN's int8 matmul, then each row times its scale.
+template <typename Row>
+int channel_gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, int64_t n, float *y, Row row) {
+  kernels::line_vector<int8_t> qx(m * k);
+  std::vector<float> sx(m);
+  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(k);
+    for (int64_t i = b; i < e; ++i) quantize_token(row(i, buf.data()), g, k, &qx[i * k], &sx[i]);
+  });
+  if (kernels::int8_channel_matmul(qx.data(), m, k, qw, sw, n, y)) return 1;
+  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t j = 0; j < n; ++j) y[i * n + j] *= sx[i];
+  });
+  return 0;
 }
 
 // y [m, n] = quantised rows @ qw^T, where row(i, buf) returns token i's k inputs (x itself, or
 // computed into buf: the element-wise op before the projection, fused into its quantisation pass).
 template <typename Row>
-void gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, Shape s, int64_t n, float *y,
-          Row row) {
+int gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, Shape s, int64_t n, float *y, Row row) {
+  if (s.channel) return channel_gemm(m, k, qw, sw, g, n, y, row);
   // Per call, not per thread: MindSpore may run two projections at once (each then owns its buffers).
   kernels::line_vector<int8_t> qx(m * s.kp);  // rows of Kp bytes (a multiple of 32), each 32-byte load in one line
   std::vector<float> sx(m * s.ng);
@@ -550,6 +597,7 @@ void gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *
       }
     }
   });
+  return 0;
 }
 
 }  // namespace
@@ -562,10 +610,9 @@ extern "C" int LinearInt8(int nparam, void **params, int *ndims, int64_t **shape
   int64_t n;
   if (nparam != 5 || std::strcmp(dtypes[0], "float32") || !weight_shape(nparam, 1, shapes, dtypes, k, &s, &n)) return 1;
   const float *x = static_cast<const float *>(params[0]);
-  gemm(m, k, static_cast<const int8_t *>(params[1]), static_cast<const float *>(params[2]),
+  return gemm(m, k, static_cast<const int8_t *>(params[1]), static_cast<const float *>(params[2]),
        static_cast<const float *>(params[3]), s, n, static_cast<float *>(params[4]),
        [&](int64_t i, float *) { return x + i * k; });
-  return 0;
 }
 
 // The residual add and RMSNorm (fused.cpp's AddRmsNorm) feeding the next projection: one op
@@ -582,12 +629,11 @@ extern "C" int AddRmsLinearInt8(int nparam, void **params, int *ndims, int64_t *
   const float *x = static_cast<const float *>(params[0]), *delta = static_cast<const float *>(params[1]);
   const float eps = *static_cast<const float *>(params[2]);
   float *sum = static_cast<float *>(params[6]);
-  gemm(m, k, static_cast<const int8_t *>(params[3]), static_cast<const float *>(params[4]),
+  return gemm(m, k, static_cast<const int8_t *>(params[3]), static_cast<const float *>(params[4]),
        static_cast<const float *>(params[5]), s, n, static_cast<float *>(params[7]), [&](int64_t i, float *buf) {
          kernels::add_rms_row(x + i * k, delta + i * k, eps, k, sum + i * k, buf);
          return static_cast<const float *>(buf);
        });
-  return 0;
 }
 
 // SwiGLU or GeGLU (fused.cpp's SwiGlu) feeding the down projection. Inputs: gu [M, 2K] (gate | up),
@@ -602,12 +648,11 @@ extern "C" int SwiGluLinearInt8(int nparam, void **params, int *ndims, int64_t *
     return 1;
   const float *gu = static_cast<const float *>(params[0]);
   const float act = static_cast<const float *>(params[1])[1];
-  gemm(m, k, static_cast<const int8_t *>(params[2]), static_cast<const float *>(params[3]),
+  return gemm(m, k, static_cast<const int8_t *>(params[2]), static_cast<const float *>(params[3]),
        static_cast<const float *>(params[4]), s, n, static_cast<float *>(params[5]), [&](int64_t i, float *buf) {
          kernels::gated_row(gu + i * 2 * k, k, buf, act);
          return static_cast<const float *>(buf);
        });
-  return 0;
 }
 
 // Which int8 path this build runs (the agent logs it and reports it; benchmarks print it).

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from agent import kernels
-from agent.layers import bf16_bits
+from agent.quant import bf16_bits
 from agent.linear import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear
 from common.cpu import cpu_flags
 from tests.conftest import tiny_model_config

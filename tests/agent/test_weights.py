@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from agent.layers import bf16_bits
+from agent.quant import bf16_bits
 from agent.gguf_weights import _unpermute
 from agent.weights import load_model, read_safetensors
 from common.model_files import ModelFiles
