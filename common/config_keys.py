@@ -96,8 +96,8 @@ KEYS: list[Key] = [
              "the native kernels). `--kv-cache-dtype` on `llm-serving` and `launch_agents`"),
     Key(M, "quant_group_size", "quant_group_size", as_group, lambda v: v in ("auto", -1, 0) or (isinstance(v, int) and v >= 4),
         "auto, at least 4 inputs per int8 scale, 0 (8 scales per row) or -1 (one per output channel)",
-        here="with `int8`: `auto` (the default) is `-1` on CPUs with AMX-INT8 and `72` on the others "
-             "(common.config.int8_group); a number: at most this many inputs share one int8 scale, in weights and "
+        here="with `int8`: `auto` (the default) is `-1` on CPUs with AVX512-VNNI or AMX-INT8 and `72` on the "
+             "others (common.config.int8_group); a number: at most this many inputs share one int8 scale, in weights and "
              "activations (>= 4; the agent picks the multiple of 4 that cuts a row into the fewest blocks of 8 groups "
              "padding it by at most 1%: 72 for 576 inputs, 64 for 1536 or 8192); `0` = 8 scales per row (faster "
              "prefill, perplexity +1.0% instead of +0.4% on SmolLM2); `-1` = one scale per output channel and per token "

@@ -107,7 +107,7 @@ def test_reduced_precision_within_its_tolerance(folder, dtype):
 
 @pytest.mark.parametrize("folder", ["qwen2-tf5"])
 def test_per_channel_int8_within_its_tolerance(folder):
-    """quant_group_size -1 (oneDNN's int8 matmul; `auto` on AMX), where this CPU has VNNI or AMX
+    """quant_group_size -1 (oneDNN's int8 matmul; `auto` with AVX512-VNNI or AMX), where this CPU has VNNI or AMX
     (measured on Zen 4: qwen2 2.1e-2, qwen3 4.5e-2, mistral-window 4.3e-2, gemma3 2.2e-2)."""
     from common.cpu import cpu_flags
 

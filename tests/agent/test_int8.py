@@ -229,14 +229,14 @@ def test_smollm2_int8_tracks_fp32(smollm2_fp32_eval):
     from tools.eval_quant import evaluate, top1_agreement
 
     base = smollm2_fp32_eval
-    int8 = evaluate("smollm2", "int8", 4, group=72, kv="float16")  # groups, as `auto` runs without AMX
+    int8 = evaluate("smollm2", "int8", 4, group=72, kv="float16")  # groups: `auto` without AVX512-VNNI
     assert int8["perplexity"] / base["perplexity"] - 1 < 0.01
     assert top1_agreement(base["top"], int8["top"]) >= 0.96
     assert int8["weight_bytes"] < 0.45 * base["weight_bytes"]
 
 
 def test_smollm2_int8_per_channel_tracks_fp32(smollm2_fp32_eval):
-    """quant_group_size -1 (`auto` on AMX Xeons): per-channel weights and per-token activations on
+    """quant_group_size -1 (`auto` with AVX512-VNNI or AMX): per-channel weights and per-token activations on
     oneDNN's int8 matmul, the down projection in groups. Perplexity within 1% of fp32 (measured
     +0.29% ± 0.22% with the int8 cache, Zen 4) and the same top token at >= 92% of the positions
     (93.7%: one scale per token rounds more coarsely than one per 72 inputs)."""

@@ -51,6 +51,21 @@ def test_model_dtype_spellings(tmp_path, value, dtype):
         load_config(path, quant_group_size=2)
 
 
+@pytest.mark.parametrize("value,flags,group", [
+    ("auto", {"avx2", "avx512_vnni"}, -1), ("auto", {"avx2", "amx_int8", "avx512_vnni"}, -1),
+    ("auto", {"avx2", "fma"}, 72), ("auto", {"avx2", "avx_vnni"}, 72), ("AUTO", {"avx512_vnni"}, -1),
+    (64, {"avx512_vnni"}, 64), ("-1", {"avx2"}, -1), (0, {"amx_int8"}, 0)])
+def test_quant_group_size_auto_is_per_channel_where_the_cpu_has_avx512_vnni_or_amx(tmp_path, value, flags, group):
+    from common.config import int8_group, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model_config:\n  quant_group_size: {value}\n")
+    assert int8_group(load_config(path).quant_group_size, flags) == group
+    assert ServingConfig().quant_group_size == "auto"
+    with pytest.raises(ValueError, match="quant_group_size"):
+        load_config(path, quant_group_size="channel")
+
+
 def test_config_doc_is_the_config_table():
     """docs/config.md's key tables are generated from common/config_keys.py (python -m tools.config_doc)."""
     from common.config_keys import IGNORED_SECTIONS, KEYS
