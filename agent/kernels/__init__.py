@@ -141,11 +141,17 @@ def kernel_paths(lib: str | None, dtype: str, int8_group: int = 0) -> str:
     `int8_group` is -1: the implementation oneDNN picked)."""
     if lib is None:
         return "plain MindSpore ops (native kernels off)"
-    name = {"int8": "Int8ChannelKernelPath" if int8_group == -1 else "Int8KernelPath", "bfloat16": "Bf16KernelPath",
-            "float16": "F16KernelPath", "float32": "F32KernelPath"}[dtype]
-    fn = getattr(ctypes.CDLL(lib), name)
-    fn.restype = ctypes.c_char_p
-    return fn().decode()
+    cdll = ctypes.CDLL(lib)
+
+    def path(name: str) -> str:
+        fn = getattr(cdll, name)
+        fn.restype = ctypes.c_char_p
+        return fn().decode()
+
+    if dtype == "int8" and int8_group == -1:  # the down projection keeps groups (agent.projections.kind_group)
+        return f"{path('Int8ChannelKernelPath')}; down projection in groups: {path('Int8KernelPath')}"
+    return path({"int8": "Int8KernelPath", "bfloat16": "Bf16KernelPath", "float16": "F16KernelPath",
+                 "float32": "F32KernelPath"}[dtype])
 
 
 def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
