@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.server import AgentServer
-from common.cpu import describe
+from common.cpu import apply_isa_cap, describe
 from shm.curve import INSECURE_ENV, KeyFolder, exposure
 from shm.endpoint import PortInUse, PortLock, agent_address
 from shm.messages import AgentInfo
@@ -124,6 +124,7 @@ def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> 
     device_id = cfg.start_device_id + index
     os.environ["LLM_SERVING_DEVICE"] = cfg.device  # read by the native kernels' switch too
     os.environ["DEVICE_ID"] = str(device_id)
+    apply_isa_cap()  # before MindSpore's oneDNN first dispatches
     from agent.runner import ModelRunner  # mindspore first
     from agent.runner_config import RunnerConfig, compile_cache_key
     from agent.graph_call import device_free_memory, setup_mindspore

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from common.config_keys import KEYS, notices
+from common.cpu import isa_cap
 from common.config_values import WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
@@ -198,7 +199,12 @@ class ConfigError(ValueError):
 
 
 def _check_together(c: ServingConfig) -> None:
-    """What no one key's range says: ports and hosts, groups, the pool against one sequence."""
+    """What no one key's range says: ports and hosts, groups, the pool against one sequence; and the
+    environment's CPU cap (LLM_SERVING_MAX_ISA), which every agent reads."""
+    try:
+        isa_cap()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if c.agent_hosts and len(c.agent_hosts) != len(c.agent_ports):
         raise ConfigError(f"serving_config.agent_hosts = {c.agent_hosts}: one host per agent_ports entry "
                           f"({len(c.agent_ports)})")

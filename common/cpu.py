@@ -15,12 +15,72 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx_vnni", "avx512_v
          "amx_tile", "amx_int8", "amx_bf16")
 
 
-def cpu_flags() -> set[str]:
+# LLM_SERVING_MAX_ISA: run another CPU kind's paths on this one. Each level: the flags it takes away
+# (a name ending in "*" takes every flag it begins), the compiler's switches that take the
+# same from -march=native, and oneDNN's own cap (ONEDNN_MAX_CPU_ISA). The levels are the kinds seen:
+# avx2 = AMD Zen 3; avx512 = Skylake-X class; avx512_vnni = AMD Zen 4 and Xeons without AMX (VNNI and
+# BF16, no FP16 or AVX-VNNI); amx = Sapphire Rapids class, every path (no cap).
+ISA_ENV = "LLM_SERVING_MAX_ISA"
+_AMX = ("amx_*",)
+_AMX_OFF = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], list[str], str | None]] = {
+    "avx2": (("avx512*", "avx_vnni", *_AMX), ["-mno-avx512f", "-mno-avxvnni", *_AMX_OFF], "AVX2"),
+    "avx512": (("avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", *_AMX),
+               ["-mno-avx512vnni", "-mno-avx512bf16", "-mno-avx512fp16", "-mno-avxvnni", *_AMX_OFF], "AVX512_CORE"),
+    "avx512_vnni": (("avx512_fp16", "avx_vnni", *_AMX), ["-mno-avx512fp16", "-mno-avxvnni", *_AMX_OFF],
+                    "AVX512_CORE_BF16"),
+    "amx": ((), [], None),
+}
+
+
+def isa_cap() -> str | None:
+    """The level LLM_SERVING_MAX_ISA names (None: this CPU as it is); any other value is refused."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_LEVELS)}")
+    return value
+
+
+def apply_isa_cap() -> str | None:
+    """Caps oneDNN like our kernels (it reads ONEDNN_MAX_CPU_ISA at its first dispatch, so this runs
+    before any model is built; one the user set is kept). Returns the cap."""
+    cap = isa_cap()
+    onednn = ISA_LEVELS[cap][2] if cap else None
+    if onednn:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+    return cap
+
+
+def compiler_isa_flags() -> list[str]:
+    """What the native kernels' build adds to -march=native under the cap."""
+    cap = isa_cap()
+    return list(ISA_LEVELS[cap][1]) if cap else []
+
+
+def _taken(flag: str, patterns: tuple[str, ...]) -> bool:
+    return any(flag.startswith(p[:-1]) if p.endswith("*") else flag == p for p in patterns)
+
+
+def native_flags() -> set[str]:
+    """The CPU's own flags, uncapped."""
     try:
         line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
     except (OSError, StopIteration):
         return set()
     return set(line.split(":", 1)[1].split())
+
+
+def capped(flags: set[str], cap: str | None) -> set[str]:
+    """`flags` less what the level `cap` takes away."""
+    return {f for f in flags if not _taken(f, ISA_LEVELS[cap][0])} if cap else set(flags)
+
+
+def cpu_flags() -> set[str]:
+    """The flags every decision reads (kernel paths, int8 recipe, the tests' gates): the CPU's, less
+    what LLM_SERVING_MAX_ISA takes away."""
+    return capped(native_flags(), isa_cap())
 
 
 def describe() -> str:
@@ -31,10 +91,10 @@ def describe() -> str:
                     if x.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    have = cpu_flags()
+    have, cap = cpu_flags(), isa_cap()
     yes, no = [f for f in FLAGS if f in have], [f for f in FLAGS if f not in have]
     return f"{name} ({os.cpu_count()} cores; {' '.join(yes) or 'none of ' + ' '.join(FLAGS)}" + (
-        f"; no {' '.join(no)})" if no else ")")
+        f"; no {' '.join(no)}" if no else "") + (f"; capped at {cap} by {ISA_ENV})" if cap else ")")
 
 
 def read_bandwidth(threads: int, size: int = 1 << 30) -> float:

@@ -12,6 +12,11 @@ import mindspore  # noqa: F401  (before any protobuf user, as the agents do: its
 import numpy as np
 import pytest
 
+from common.cpu import apply_isa_cap
+
+# LLM_SERVING_MAX_ISA (the suite run as another CPU kind): oneDNN capped to match before it first
+# dispatches in this process; agents and child processes inherit both.
+apply_isa_cap()
 os.environ.setdefault("LLM_SERVING_LOG", "WARNING")
 os.environ.setdefault("LLM_SERVING_LOG_DIR", tempfile.mkdtemp(prefix="llm-serving-logs-"))  # agents' MindSpore logs
 

@@ -18,6 +18,23 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def channel_refused_here() -> bool:
+    """Per channel, oneDNN's int8 matmul needs VNNI or AMX (below them its int16 pair sums saturate):
+    where the CPU (as LLM_SERVING_MAX_ISA caps it) has neither, the product refuses the path in one
+    line, and the tests of the path assert that line instead."""
+    import numpy as np
+    import pytest
+
+    from agent.kernels import pack_int8_channel
+    from common.cpu import cpu_flags
+
+    if cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        return False
+    with pytest.raises(RuntimeError, match=r"quant_group_size -1 cannot run on this CPU: .*no VNNI or AMX"):
+        pack_int8_channel(np.ones((64, 64), np.int8))
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

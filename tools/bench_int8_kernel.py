@@ -69,6 +69,52 @@ def channel_error(x: np.ndarray, rows, g: np.ndarray, y: np.ndarray) -> float:
     return float(np.abs(ref - y).max() / max(np.abs(ref).max(), 1e-30))
 
 
+class Weights:
+    """One K x N weight matrix in each path's layout: fp32 for sgemm, bf16 blocks, int8 in groups
+    (`offset` bytes past a cache line), int8 per channel packed for oneDNN (None where this CPU
+    refuses it: no VNNI or AMX)."""
+
+    def __init__(self, w: np.ndarray, group: int, offset: int):
+        from agent.kernels import CACHE_LINE, line_aligned, pack_int8_channel
+        from agent.quant import CHANNEL, bf16_bits, quantize
+
+        n, k = w.shape
+        self.rows, self.wt = quantize(w, group), np.ascontiguousarray(w.T)
+        self.qw = line_aligned((self.rows.q.size + CACHE_LINE,), np.int8)[offset % CACHE_LINE:][:self.rows.q.size]
+        self.qw = self.qw.reshape(self.rows.q.shape)
+        self.qw[...] = self.rows.q
+        self.chan = quantize(w, CHANNEL)
+        try:
+            self.packed: np.ndarray | None = pack_int8_channel(self.chan.q)
+        except RuntimeError:  # the kernels line above says why
+            self.packed = None
+        # linear_blocks.cpp's bf16 weights: 64-column blocks [N / 64, K, 64], N padded to whole blocks
+        self.wb = np.ascontiguousarray(bf16_bits(np.pad(w, ((0, -n % 64), (0, 0)))).reshape(-1, 64, k).transpose(0, 2, 1))
+
+    def row(self, lib: C.CDLL, dnnl: C.CDLL, x: np.ndarray, calls: int) -> str:
+        """The table's columns for x [m, K]: sgemm's ms, each path's speed over it, the per-channel
+        figures ("-" where refused)."""
+        (m, k), n = x.shape, self.wt.shape[1]
+        y = np.zeros((m, n), np.float32)
+        g = np.ones(k, np.float32)  # named: the calls read it after _array_args returns
+        yb = np.zeros((m, self.wb.shape[0] * 64), np.float32)
+        args = {"bf16": (lib.LinearBlocks, [x, self.wb, yb]), "grp": (lib.LinearInt8, [x, self.qw, self.rows.scale, g, y])}
+        if self.packed is not None:
+            args["ch"] = (lib.LinearInt8, [x, self.packed, self.chan.scale, g, y])
+        packed = {p: (fn, _array_args(arrays)) for p, (fn, arrays) in args.items()}
+        t = {p: _per_call(lambda: fn(*a), calls) for p, (fn, a) in packed.items()}
+        t["fp32"] = _per_call(lambda: dnnl.dnnl_sgemm(b"N", b"N", m, n, k, 1.0, x.ctypes.data, k, self.wt.ctypes.data, n,
+                                                      0.0, y.ctypes.data, n), calls)
+        out = f"{t['fp32'] * 1e3:>9.3f} ms" + "".join(f"{t['fp32'] / t[p]:>7.2f}x" + " " * (p == "grp")
+                                                      for p in ("bf16", "grp"))
+        if "ch" not in t:
+            return out + f"{'-':>8}{'-':>10}{'-':>10}{'-':>10}"
+        fn, a = packed["ch"]
+        fn(*a)
+        err = channel_error(x, self.chan, g, y)
+        return out + f"{t['fp32'] / t['ch']:>7.2f}x{t['bf16'] / t['ch']:>10.2f}x{m * n * k / t['ch'] / 1e9:>10.1f}{err:>10.1e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="576x1536,1536x576,576x3072", help="K x N: inputs x outputs")
@@ -81,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before the library loads: its worker pool sizes itself from this process's affinity.
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 
-    from agent.kernels import CACHE_LINE, _dnnl_flags, kernel_paths, line_aligned, pack_int8_channel
-    from agent.quant import CHANNEL, bf16_bits, quantize
+    from agent.kernels import _dnnl_flags, kernel_paths
+    from agent.quant import CHANNEL
     from common.cpu import describe
 
     found = kernel_library()
@@ -101,31 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
         w = rng.standard_normal((n, k)).astype(np.float32)
-        rows, wt = quantize(w, args.group), np.ascontiguousarray(w.T)
-        qw = line_aligned((rows.q.size + CACHE_LINE,), np.int8)[args.offset % CACHE_LINE:][:rows.q.size]
-        qw = qw.reshape(rows.q.shape)
-        qw[...] = rows.q
-        chan = quantize(w, CHANNEL)
-        packed = pack_int8_channel(chan.q)
-        # linear_blocks.cpp's bf16 weights: 64-column blocks [N / 64, K, 64], N padded to whole blocks
-        wb = np.ascontiguousarray(bf16_bits(np.pad(w, ((0, -n % 64), (0, 0)))).reshape(-1, 64, k).transpose(0, 2, 1))
+        weights = Weights(w, args.group, args.offset)
         for m in (int(t) for t in args.tokens.split(",")):
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            y = np.zeros((m, n), np.float32)
-            g = np.ones(k, np.float32)  # named: the calls read it after _array_args returns
-            yb = np.zeros((m, wb.shape[0] * 64), np.float32)
-            calls = {"bf16": _array_args([x, wb, yb]), "grp": _array_args([x, qw, rows.scale, g, y]),
-                     "ch": _array_args([x, packed, chan.scale, g, y])}
-            t = {"bf16": _per_call(lambda: lib.LinearBlocks(*calls["bf16"]), args.calls),
-                 "grp": _per_call(lambda: lib.LinearInt8(*calls["grp"]), args.calls),
-                 "ch": _per_call(lambda: lib.LinearInt8(*calls["ch"]), args.calls),
-                 "fp32": _per_call(lambda: dnnl.dnnl_sgemm(b"N", b"N", m, n, k, 1.0, x.ctypes.data, k, wt.ctypes.data, n,
-                                                           0.0, y.ctypes.data, n), args.calls)}
-            lib.LinearInt8(*calls["ch"])
-            err = channel_error(x, chan, g, y)
-            print(f"{shape:>12}{m:>7}{t['fp32'] * 1e3:>9.3f} ms" + "".join(f"{t['fp32'] / t[p]:>7.2f}x" + " " * (p == "grp")
-                                                                      for p in ("bf16", "grp", "ch"))
-                  + f"{t['bf16'] / t['ch']:>9.2f}x{m * n * k / t['ch'] / 1e9:>10.1f}{err:>10.1e}")
+            print(f"{shape:>12}{m:>7}" + weights.row(lib, dnnl, rng.standard_normal((m, k)).astype(np.float32),
+                                                      args.calls))
     return 0
 
 

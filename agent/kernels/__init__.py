@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from common.cpu import ISA_ENV, apply_isa_cap, compiler_isa_flags
+
 log = logging.getLogger("llm_serving.agent")
 KERNEL_DIR = Path(__file__).parent
 # -ffast-math's parts, not the flag itself: linking a shared library with -ffast-math (or
@@ -76,8 +78,9 @@ def _sources() -> list[Path]:
 
 
 def sources_digest() -> str:
-    """Changes with the kernels' source and the switch: part of the graph compile-cache key."""
-    h = hashlib.sha1(str(enabled()).encode())
+    """Changes with the kernels' source, the switch and the ISA cap (the graphs name the library
+    built under it): part of the graph compile-cache key."""
+    h = hashlib.sha1(f"{enabled()}{compiler_isa_flags()}".encode())
     for src in _sources():
         h.update(src.read_bytes())
     return h.hexdigest()[:16]
@@ -112,10 +115,12 @@ def library() -> str | None:
     if shutil.which(cxx) is None:
         log.warning("no C++ compiler (%s): native kernels off, plain MindSpore ops", cxx)
         return None
+    apply_isa_cap()
     srcs = sorted(KERNEL_DIR.glob("*.cpp"))
     link = _dnnl_flags()
+    flags = [*FLAGS, *compiler_isa_flags()]  # the cap's -mno-* after -march=native
     key = hashlib.sha1(b"".join(s.read_bytes() for s in _sources())
-                       + " ".join([cxx, *FLAGS, *link, _cpu_signature()]).encode()).hexdigest()[:16]
+                       + " ".join([cxx, *flags, *link, _cpu_signature()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llm-serving" / "kernels"
     out = cache / f"kernels-{key}.so"
     if out.exists():
@@ -125,7 +130,7 @@ def library() -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, srcs), *link], check=True, capture_output=True, text=True)
+        subprocess.run([cxx, *flags, "-o", tmp, *map(str, srcs), *link], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         log.warning("building native kernels failed, pure-MindSpore path used:\n%s", e.stderr[-2000:])
@@ -141,8 +146,11 @@ def kernel_paths(lib: str | None, dtype: str, int8_group: int = 0) -> str:
     `int8_group` is -1: the implementation oneDNN picked)."""
     if lib is None:
         return "plain MindSpore ops (native kernels off)"
-    cdll = ctypes.CDLL(lib)
+    cap = apply_isa_cap()
+    return (f"{ISA_ENV}={cap}: " if cap else "") + _paths(ctypes.CDLL(lib), dtype, int8_group)
 
+
+def _paths(cdll: ctypes.CDLL, dtype: str, int8_group: int) -> str:
     def path(name: str) -> str:
         fn = getattr(cdll, name)
         fn.restype = ctypes.c_char_p
