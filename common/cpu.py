@@ -113,3 +113,18 @@ def read_bandwidth(threads: int, size: int = 1 << 30) -> float:
             w.join()
         best = min(best, time.perf_counter() - t0)
     return size / best
+
+
+# The kinds seen besides the AMX Xeons, slowest first: the levels tools/test.sh runs the `isa` tests at.
+SEEN_KINDS = ("avx2", "avx512_vnni")
+
+
+def kinds_below(flags: set[str]) -> list[str]:
+    """The seen kinds whose paths a CPU with `flags` runs only under the cap (they take something away)."""
+    return [level for level in SEEN_KINDS if capped(flags, level) != flags]
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(" ".join(kinds_below(native_flags())) if sys.argv[1:] == ["--kinds-below"] else describe())

@@ -16,6 +16,12 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+GRAPH_CACHE_ENV = "LLM_SERVING_TEST_GRAPH_CACHE"  # the run's shared compile cache (tests/conftest.py)
+
+
+def graph_cache(tmp: Path) -> str:
+    """The compile_cache_dir of a test's config: the run's shared one, else the test's own."""
+    return os.environ.get(GRAPH_CACHE_ENV) or str(tmp / "mscache")
 
 
 def channel_refused_here() -> bool:
@@ -53,7 +59,7 @@ def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -
                          "max_generate_length": serving.pop("max_generate_length", 128),
                          **buckets, "prefill_batch_size": [2], "zactivate_len": [64]},
         "serving_config": {"agent_ports": [free_port() for _ in range(n_agents)], "server_ip": "127.0.0.1",
-                           "server_port": free_port(), "compile_cache_dir": str(tmp / "mscache"), **serving},
+                           "server_port": free_port(), "compile_cache_dir": graph_cache(tmp), **serving},
         "pa_config": pa,
     }
     path = tmp / f"tiny-{time.monotonic_ns()}.yaml"

@@ -99,12 +99,14 @@ def test_plain_mindspore_path_matches_transformers(folder):
     compare(runner_for(folder, native=False), folder, "float32")
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
 @pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "mistral-window-tf5", "gemma3-tf5"])
 def test_reduced_precision_within_its_tolerance(folder, dtype):
     compare(runner_for(folder, dtype), folder, dtype)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("folder", ["qwen2-tf5"])
 def test_per_channel_int8_within_its_tolerance(folder):
     """quant_group_size -1 (oneDNN's int8 matmul; `auto` with AVX512-VNNI or AMX), where this CPU has VNNI or AMX

@@ -10,6 +10,9 @@ from agent import kernels as native
 from agent.graph_call import setup_mindspore
 from tools.bench_attention import int8_rows
 
+# The kernels a CPU kind changes: run again as other kinds by tools/test.sh (LLM_SERVING_MAX_ISA).
+pytestmark = pytest.mark.isa
+
 
 def dequantized(rows: np.ndarray) -> np.ndarray:
     """An int8 cache [..., hd + 4] (values, then their float32 scale) as float64 [..., hd]."""

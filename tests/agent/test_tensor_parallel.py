@@ -15,14 +15,11 @@ import pytest
 from agent.tensor_parallel import SEGMENT_DIR, create_segment
 from shm.arena import segment_name
 from tests.agent.test_model_runner import PROMPTS
-from tests.conftest import tiny_model_config
+from tests.conftest import TINY, tiny_model_config
 from tests.helpers import ROOT, free_port
-from tests.reference import reference_logits
+from tests.reference import random_weights, reference_logits
 
 TP_TOL = 1e-4  # fp32: a rank's partial sums and the all-reduce's order against one rank and float64
-# SmolLM2's logits reach ~26 and its 30 layers sum in another order split 3 ways: fp32 rounding
-# reaches 1.0e-4 absolute there (measured), 4e-6 of the largest logit; the bound is relative.
-SMOLLM2_TP_REL_TOL = 1e-5
 STEPS = 10
 
 _RANK = """
@@ -32,15 +29,15 @@ from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
 from agent.tensor_parallel import Group, slot_floats
-from tests.agent.test_model_runner import PLAIN_BUCKETS, PROMPTS, TOKEN_BUCKETS, PagedDriver
-from tests.conftest import tiny_model_config
+from tests.agent.test_model_runner import PLAIN_BUCKETS, PROMPTS, PagedDriver
+from tests.conftest import TINY, tiny_model_config
 from tests.reference import random_weights
 
 rank, size, segment, out, steps, model, native, dtype = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                                          int(sys.argv[5]), sys.argv[6], sys.argv[7] == "native", sys.argv[8])
 if model == "tiny":
     cfg = tiny_model_config()
-    weights, buckets = random_weights(cfg, seed=0), TOKEN_BUCKETS if native else PLAIN_BUCKETS
+    weights, buckets = random_weights(cfg, seed=0), PLAIN_BUCKETS  # the two graphs RankDriver's steps need
 else:
     from agent.weights import load_model
     from common.model_files import resolve_model
@@ -101,7 +98,7 @@ def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", nati
     elif size > 1:
         from agent.tensor_parallel import slot_floats
 
-        hidden, vocab = {"tiny": (64, 272), "smollm2": (576, 49152)}.get(model) or _shape(model)
+        hidden, vocab = (64, 272) if model == "tiny" else _shape(model)
         create_segment(segment, size, slot_floats(hidden, vocab, 512, 16, size))
     try:
         procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
@@ -147,40 +144,64 @@ def test_a_shape_that_does_not_split_is_refused():
     assert check_shape(tiny_model_config(), 2) is None
 
 
-def test_smollm2_in_three_ranks_matches_one_rank(tmp_path):
-    """9 heads and 3 KV heads: one KV head per rank; the vocabulary splits 3 x 16384."""
-    one = run_group(1, tmp_path, steps=4, model="smollm2")[0]
-    three = run_group(3, tmp_path, steps=4, model="smollm2")
+# SmolLM2's attention shape at a tiny width: 9 heads and 3 KV heads, tied embeddings; 272 tokens
+# pad to 3 x 91 (its 49152 split evenly; the padding is the harder case). SmolLM2's own weights took
+# 93 s of the suite here for the same split (4 processes loading 135M parameters on 2 cores).
+NINE_HEADS = dict(TINY, hidden_size=72, intermediate_size=96, num_attention_heads=9, num_key_value_heads=3,
+                  tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def nine_heads_dir(tmp_path_factory) -> Path:
+    from safetensors.numpy import save_file
+
+    from agent.model import LlamaConfig
+
+    d = tmp_path_factory.mktemp("nine-heads")
+    c = NINE_HEADS
+    cfg = LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+                      num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+                      num_kv_heads=c["num_key_value_heads"], tie_word_embeddings=True)
+    weights = random_weights(cfg, seed=3)
+    del weights["lm_head.weight"]
+    (d / "config.json").write_text(json.dumps(c))
+    save_file(weights, str(d / "model.safetensors"))
+    return d
+
+
+def test_smollm2_shaped_heads_in_three_ranks_match_one_rank(nine_heads_dir, tmp_path):
+    """9 heads and 3 KV heads: one KV head per rank; the tied vocabulary splits 3 ways, padded."""
+    one = run_group(1, tmp_path, steps=4, model=str(nine_heads_dir))[0]
+    three = run_group(3, tmp_path, steps=4, model=str(nine_heads_dir))
     assert all(r["seqs"] == three[0]["seqs"] for r in three)
     assert three[0]["seqs"] == one["seqs"]
     want = np.array(one["logits"])
-    assert np.abs(np.array(three[0]["logits"]) - want).max() <= SMOLLM2_TP_REL_TOL * np.abs(want).max()
+    assert np.abs(np.array(three[0]["logits"]) - want).max() <= TP_TOL * np.abs(want).max()
 
 
 def test_plain_mindspore_ranks_use_mindspore_communication(tiny_weights, tmp_path):
     """Without the native kernels (other devices, LLM_SERVING_NATIVE=0) the ranks meet through
     mindspore.communication: mccl on this CPU, HCCL/NCCL elsewhere. In float16 (the contest's dtype
-    on a device): logits within float16's bound of the float64 reference, and one rank's tokens up to
-    a decision float16 cannot make (each rank rounds its partial sums to float16 before they are
-    added: the reference's top two there are closer than twice that bound)."""
+    on a device): logits within float16's bound of the float64 reference, and the reference's greedy
+    token up to a decision float16 cannot make (each rank rounds its partial sums to float16 before
+    they are added: the reference's top two there are closer than twice that bound)."""
     ranks = run_group(2, tmp_path, native=False, dtype="float16")
-    one = run_group(1, tmp_path, native=False, dtype="float16")[0]
     assert ranks[0]["seqs"] == ranks[1]["seqs"]
     cfg = tiny_model_config()
-    for prompt, seq, got, alone in zip(PROMPTS, ranks[0]["seqs"], ranks[0]["logits"], one["seqs"]):
+    for prompt, seq, got in zip(PROMPTS, ranks[0]["seqs"], ranks[0]["logits"]):
         want = reference_logits(cfg, tiny_weights, seq[:-1])[len(prompt) - 1:]
         bound = 2.0 ** -8 * np.abs(want).max(-1)
         assert np.all(np.abs(np.array(got) - want).max(-1) <= bound)
-        split = next((k for k, (a, b) in enumerate(zip(seq, alone)) if a != b), None)
-        if split is not None:
-            top2 = np.sort(want[split - len(prompt)])[-2:]
-            assert top2[1] - top2[0] <= 2 * bound[split - len(prompt)], (split, seq, alone)
+        picked = np.array(seq[len(prompt):])  # each step's token, sampled greedily from the ranks' logits
+        top2 = np.sort(want, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * bound
+        assert np.all((picked == want.argmax(-1))[clear]), (seq, want.argmax(-1))
 
 
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "gemma3-tf5"])
+@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5"])
 def test_two_ranks_match_one_rank_for_each_family(folder, tmp_path):
-    """Q|K|V biases split with their columns, q/k norms whole on every rank (transformers' fixtures,
-    tests/agent/test_families.py)."""
+    """Q|K|V biases split with their columns (Qwen2), q/k norms whole on every rank (Qwen3; Gemma 3's
+    are the same op) (transformers' fixtures, tests/agent/test_families.py)."""
     model = str(ROOT / "tests" / "fixtures" / "families" / folder)
     one = run_group(1, tmp_path, steps=6, model=model)[0]
     two = run_group(2, tmp_path, steps=6, model=model)

@@ -48,3 +48,14 @@ def test_an_unknown_level_stops_the_start_with_one_line_naming_the_variable(tmp_
     monkeypatch.setenv(ISA_ENV, "avx1024")
     with pytest.raises(ConfigError, match=f"{ISA_ENV}='avx1024': expected one of avx2, avx512, avx512_vnni, amx"):
         load_config(path)
+
+
+def test_the_test_script_runs_the_kinds_below_this_cpu():
+    """tools/test.sh's second passes: an AMX Xeon runs Zen 4's and Zen 3's paths, a Zen 4 Zen 3's,
+    a Zen 3 none."""
+    from common.cpu import kinds_below
+
+    zen4 = capped(SPR, "avx512_vnni")
+    assert kinds_below(SPR) == ["avx2", "avx512_vnni"]
+    assert kinds_below(zen4) == ["avx2"]
+    assert kinds_below(capped(SPR, "avx2")) == []
