@@ -127,4 +127,4 @@ def kinds_below(flags: set[str]) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    print(" ".join(kinds_below(native_flags())) if sys.argv[1:] == ["--kinds-below"] else describe())
+    print(" ".join(kinds_below(cpu_flags())) if sys.argv[1:] == ["--kinds-below"] else describe())

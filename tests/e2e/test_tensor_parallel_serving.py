@@ -9,7 +9,6 @@ import signal
 import time
 
 import httpx
-import pytest
 import yaml
 
 from shm.arena import our_segments
@@ -31,41 +30,36 @@ def _ids(url: str, prompt: str) -> list[int]:
     return [t["id"] for t in prompt_ids] + [t["id"] for t in r["details"]["tokens"]]
 
 
-@pytest.fixture(scope="module")
-def one_rank_ids(tmp_path_factory, tiny_model_dir) -> dict[str, list[int]]:
-    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("tp1"), tiny_model_dir))
-    try:
-        return {p: _ids(srv.url, p) for p in PROMPTS}
-    finally:
-        srv.stop()
+def reference_greedy(tiny_weights, ids: list[int]) -> list[int]:
+    """The float64 reference's greedy tokens for the last NEW of `ids` (one rank gives the same:
+    tests/agent/test_model_runner.py; so it is the one-rank text without a one-rank server)."""
+    n = len(ids) - NEW
+    return [int(t) for t in reference_logits(tiny_model_config(), tiny_weights, ids[:-1])[n - 1:].argmax(-1)]
 
 
-def test_two_ranks_serve_one_rank_s_greedy_text(tmp_path, tiny_model_dir, tiny_weights, one_rank_ids):
+def test_two_ranks_serve_one_rank_s_greedy_text(tmp_path, tiny_model_dir, tiny_weights):
     srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2))
     try:
         stats = httpx.get(f"{srv.url}/stats", timeout=10).json()
         assert stats["agents_alive"] == 1 and len(stats["memory"]) == 1  # one replica of two ranks
-        got = {p: _ids(srv.url, p) for p in PROMPTS}
-        assert got == one_rank_ids  # overlap on (the default): fed decodes sampled alike on every rank
-        cfg = tiny_model_config()
-        for p, ids in got.items():  # and the float64 reference's greedy tokens
-            n = len(ids) - NEW
-            want = reference_logits(cfg, tiny_weights, ids[:-1])[n - 1:].argmax(-1)
-            assert ids[n:] == [int(t) for t in want]
+        for p in PROMPTS:  # overlap on (the default): fed decodes sampled alike on every rank
+            ids = _ids(srv.url, p)
+            assert ids[-NEW:] == reference_greedy(tiny_weights, ids)
     finally:
         srv.stop()
     assert not [s for s in our_segments() if f"-{srv.proc.pid}-" in s]
 
 
 def test_without_native_kernels_the_ranks_meet_through_mindspore_communication(tmp_path, tiny_model_dir,
-                                                                               one_rank_ids):
+                                                                               tiny_weights):
     """LLM_SERVING_NATIVE=0 (as on other devices): plain MindSpore ops, mccl collectives, the
     launcher's scheduler process; the same greedy text. One decode and one prefill bucket: each
     plain-path graph with collectives takes seconds to build."""
     srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2, seq_length=[16],
                                     decode_batch_size=[1]), env={"LLM_SERVING_NATIVE": "0"})
     try:
-        assert _ids(srv.url, PROMPTS[1]) == one_rank_ids[PROMPTS[1]]
+        ids = _ids(srv.url, PROMPTS[1])
+        assert ids[-NEW:] == reference_greedy(tiny_weights, ids)
     finally:
         srv.stop()
 
