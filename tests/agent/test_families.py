@@ -112,7 +112,8 @@ def test_a_transformers_4_folder_loads_as_its_5_twin(folder):
         assert np.abs(ref4 - ref5).max() <= TOLERANCE["float32"] * np.abs(ref5).max()
 
 
-@pytest.mark.parametrize("folder", ["qwen2-tf5", "qwen3-tf5", "qwen2-window-tf5", "gemma3-tf5"])
+# Qwen2's biases with its window; Gemma 3's q/k norms, sandwich norms and scaled embedding
+@pytest.mark.parametrize("folder", ["qwen2-window-tf5", "gemma3-tf5"])
 def test_plain_mindspore_path_matches_transformers(folder):
     compare(runner_for(folder, native=False), folder, "float32")
 
