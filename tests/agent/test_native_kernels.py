@@ -1,5 +1,5 @@
-"""Native CPU kernels: the paged-attention and oneDNN projection ops vs float64 NumPy, and the
-fallback when they cannot be built. (RMSNorm / rope / SwiGLU are checked through the whole model in
+"""Native CPU kernels: the paged-attention and oneDNN projection ops vs float64 NumPy (the fallback
+when they cannot be built: test_kernel_build.py). (RMSNorm / rope / SwiGLU are checked through the whole model in
 test_model_runner, with and without native kernels, against the NumPy reference.)"""
 from __future__ import annotations
 
@@ -137,21 +137,6 @@ def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
     tol = 1e-5 * np.sqrt(k)  # float32 accumulation error over k products of unit-variance terms
     np.testing.assert_allclose(y1.asnumpy()[:, :n], x64 @ w1, atol=tol, rtol=1e-5)
     np.testing.assert_allclose(y2.asnumpy()[:, :n], x64 @ w2, atol=tol, rtol=1e-5)
-
-
-def test_without_compiler_or_when_disabled_the_model_falls_back(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: a build would be needed
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert native.library() is None
-    assert "no C++ compiler" in caplog.text
-    monkeypatch.delenv("CXX")
-    monkeypatch.setenv("LLM_SERVING_NATIVE", "0")
-    caplog.clear()
-    assert native.library() is None
-    assert "native kernels off (LLM_SERVING_NATIVE=0)" in caplog.text  # never silently slow
-    monkeypatch.delenv("LLM_SERVING_NATIVE")
-    assert native.library() is not None  # and builds into the fresh cache
-    assert list((tmp_path / "llm-serving" / "kernels").glob("kernels-*.so"))
 
 
 def test_bench_attention_times_a_step_from_memory_and_in_cache(capsys):
