@@ -43,6 +43,7 @@ PROMPTS = [
 ]
 BLOCK = 16
 WINDOW = 1024  # tokens per perplexity window: the runner's max_model_len
+GREEDY_BLOCKS = 4  # KV blocks per greedy prompt: its tokens and the continuation's, at most 64
 
 
 def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 32, group: int = QUANT_GROUP_SIZE, kv: str = "auto"):
@@ -57,7 +58,10 @@ def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 
     setup_mindspore()
     files = resolve_model(model)
     cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8")
-    rc = RunnerConfig(num_blocks=max_rows * max_len // BLOCK + 1, block_size=BLOCK, max_model_len=max_len,
+    # A pool for what runs: one corpus window, or every greedy prompt's few blocks (the whole
+    # max_rows x max_len pool, 1.5 GB for SmolLM2, took 3 s to zero per runner).
+    blocks = 1 + max(max_len // BLOCK, len(PROMPTS) * GREEDY_BLOCKS)
+    rc = RunnerConfig(num_blocks=blocks, block_size=BLOCK, max_model_len=max_len,
                       token_buckets=[max_rows, 512], max_running=max_rows, model_dtype=dtype,
                       kv_cache_dtype=kv, int8_group=group)
     tok = load_tokenizer(files)
@@ -101,9 +105,11 @@ def corpus_nll(runner, ids: list[int]) -> tuple[list[float], list[int]]:
 
 def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
     """n greedy tokens after each prompt, all prompts as one batch (prefill step, then decode steps)."""
-    blocks = runner.rc.width
-    tables = np.stack([np.arange(1 + r * blocks, 1 + (r + 1) * blocks, dtype=np.int32) for r in range(len(prompts))])
     lens = np.array([len(p) for p in prompts], np.int32)
+    if lens.max() + n > GREEDY_BLOCKS * BLOCK:
+        raise ValueError(f"a prompt and {n} tokens exceed the {GREEDY_BLOCKS * BLOCK} a greedy row has room for")
+    tables = np.zeros((len(prompts), runner.rc.width), np.int32)  # columns past a row's blocks: never read
+    tables[:, :GREEDY_BLOCKS] = 1 + np.arange(len(prompts) * GREEDY_BLOCKS, dtype=np.int32).reshape(-1, GREEDY_BLOCKS)
     tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
     positions = np.concatenate([np.arange(k, dtype=np.int32) for k in lens])
     qlens, out = lens, [[] for _ in prompts]

@@ -32,13 +32,27 @@ def _concurrent(url: str, prompts: list[str], new: int) -> dict[str, str]:
     return out, threads
 
 
+GENERATED = "llm_serving_generation_tokens_total"
+
+
+def _wait_generating(url: str, before: float, timeout: float = 300) -> None:
+    """Until the server has generated a token past `before` (GENERATED read before the requests
+    were sent): they are mid-stream. An event, where a fixed sleep was early on a loaded machine
+    and late on a fast one."""
+    deadline = time.monotonic() + timeout
+    while _metric(url, GENERATED) == before:
+        assert time.monotonic() < deadline, "no token generated"
+        time.sleep(0.02)
+
+
 def _disturbed_run_matches_undisturbed(srv: ServerProcess, disturb) -> list[str]:
     """Undisturbed texts first; then the same requests with `disturb(agent_pid)` mid-stream.
     Returns the /health statuses seen until the server is ok again."""
     single = {p: original_generate(srv.url, p, new=NEW)["generated_text"] for p in PROMPTS}
     [pid] = srv.agent_pids()
+    before = _metric(srv.url, GENERATED)
     out, threads = _concurrent(srv.url, PROMPTS, NEW)
-    time.sleep(0.5)  # mid-stream
+    _wait_generating(srv.url, before)  # mid-stream
     disturb(pid)
     seen = []
     deadline = time.monotonic() + 120
