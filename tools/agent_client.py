@@ -1,7 +1,7 @@
 """A standalone socket-level client of one agent, or of one tensor-parallel group: the protocol's
 executable example (docs/protocol.md).
 
-    python tools/agent_client.py --config configs/smollm2.yaml --prompt "The capital of France is" --max-tokens 16
+    python -m tools.agent_client --config configs/smollm2.yaml --prompt "The capital of France is" --max-tokens 16
 
 Attaches (`#`) to a running agent (the YAML's first port by default), runs the prompt through `*`
 steps (chunks of at most the agent's largest token bucket), then one `a` step per new token with

@@ -2,7 +2,7 @@
 MindSpore runner, a NumPy (OpenBLAS) forward and, when torch is installed, a torch-eager forward of
 the same weights, as ratios in one run.
 
-    python tools/bench_agent.py [--model smollm2] [--batches 1,8,32,64] [--context 128]
+    python -m tools.bench_agent [--model smollm2] [--batches 1,8,32,64] [--context 128]
                                 [--dtypes float32,int8,int8:64]
 
 --dtypes runs one runner per entry (int8:G = at most G inputs per int8 scale, 72 when omitted; 0: 8 per row) and

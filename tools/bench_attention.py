@@ -4,7 +4,7 @@ cache comes from memory as in serving. Prints ms per step (all layers), the GB/s
 that makes, the same calls with every layer on one layer's cache (in cache: the compute's share),
 and the read bandwidth of the same cores.
 
-    python tools/bench_attention.py [--rows 64] [--context 192] [--kv-dtype float16] [--layers 30]
+    python -m tools.bench_attention [--rows 64] [--context 192] [--kv-dtype float16] [--layers 30]
 
 The shape defaults to SmolLM2's (9 query heads on 3 KV heads of 64); a sequence's blocks of 16
 slots interleave with the other rows' (as the server allocates them while every row grows). The

@@ -5,7 +5,7 @@ per channel (oneDNN's int8 matmul, `quant_group_size: -1`); ms per call, each pa
 sgemm's, per-channel int8 over bf16, and per-channel int8's largest error against an exact NumPy
 reference of the same integers (it must stay at float32 rounding, ~1e-7, on every CPU).
 
-    python tools/bench_int8_kernel.py [--shapes 576x1536,1536x576,576x3072] [--tokens 1,4,64,256]
+    python -m tools.bench_int8_kernel [--shapes 576x1536,1536x576,576x3072] [--tokens 1,4,64,256]
                                       [--cores 1] [--calls 200] [--group 64]
 
 Each time is the 10th percentile of --calls calls: on a shared VM a run's speed halves now and then,

@@ -4,7 +4,7 @@ step time, as a ratio in one run.
 Measures: heartbeat round trip; an empty `a` step (the full step path with no rows); writing a
 64-row decode step into the arena; a real batch-32 decode step of the default model.
 
-    python tools/bench_ipc.py [--config configs/smollm2.yaml] [--n 200] [--transport ipc|tcp|curve]
+    python -m tools.bench_ipc [--config configs/smollm2.yaml] [--n 200] [--transport ipc|tcp|curve]
 
 `--transport tcp` runs the agent on tcp 127.0.0.2 (tensors as frames), `curve` the same with CURVE
 keys (authentication and encryption, shm/curve.py).

@@ -1,7 +1,7 @@
 """Overlap A/B in one run: the same server with `overlap_steps` off and on, B concurrent streams of
 fixed length each, B in --batches.
 
-    python tools/bench_overlap.py --config configs/smollm2.yaml --batches 1,8,64
+    python -m tools.bench_overlap --config configs/smollm2.yaml --batches 1,8,64
 
 Per mode and B: decode TPOT and output tok/s (client side), and from /debug/trace the share of
 decode wall time spent outside the model's own compute: over consecutive decode steps, (gaps

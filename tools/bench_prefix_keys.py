@@ -3,7 +3,7 @@ full block (SHA-256 chained from the salt, server/block_manager.py) and to look 
 (keys, then each hit checked against its tokens and parent), beside the Python `hash()` chain the
 keys replaced. One process, best of several rounds.
 
-    python tools/bench_prefix_keys.py [--tokens 1000] [--block-size 16]
+    python -m tools.bench_prefix_keys [--tokens 1000] [--block-size 16]
 """
 from __future__ import annotations
 

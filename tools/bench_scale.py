@@ -3,8 +3,8 @@ CPU, the `--dry-run` plan against the measured peak RSS of the process tree, tim
 stream's TTFT/TPOT, N requests all at once (llm-bench), and one stream's step time against the
 weight-streaming limit (bytes a decode step reads / read bandwidth of this machine's cores).
 
-    python tools/export_model.py --random --shape llama-7b --dtype bf16 --gguf "" --out .peers/models/llama-7b
-    python tools/bench_scale.py --model .peers/models/llama-7b --dtype bfloat16 --kv-cache-memory 4.1GiB
+    python -m tools.export_model --random --shape llama-7b --dtype bf16 --gguf "" --out .peers/models/llama-7b
+    python -m tools.bench_scale --model .peers/models/llama-7b --dtype bfloat16 --kv-cache-memory 4.1GiB
 """
 from __future__ import annotations
 

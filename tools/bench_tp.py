@@ -2,9 +2,9 @@
 (n rank processes, one core each) against size 1 (one process on the same cores), the collectives'
 time per call, and the weights each rank holds, in one run.
 
-    python tools/bench_tp.py --model .peers/models/llama-1b --sizes 1,2 --batches 1,16 --prefill 128
+    python -m tools.bench_tp --model .peers/models/llama-1b --sizes 1,2 --batches 1,16 --prefill 128
 
-A random 1.1B model: `python tools/export_model.py --random --shape llama-1b --dtype bf16 --out
+A random 1.1B model: `python -m tools.export_model --random --shape llama-1b --dtype bf16 --out
 .peers/models/llama-1b` (weights are read as float32). Each size's ranks run the same steps in lock
 step, as agents do; rank 0 reports.
 """

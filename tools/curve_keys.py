@@ -1,7 +1,7 @@
 """Make a CURVE key folder for tcp agents (shm/curve.py says what each host keeps):
 
-    python tools/curve_keys.py DIR            # agent and server keypairs, the server authorized
-    python tools/curve_keys.py DIR --server NAME   # one more server keypair (NAME.key[_secret]), authorized
+    python -m tools.curve_keys DIR            # agent and server keypairs, the server authorized
+    python -m tools.curve_keys DIR --server NAME   # one more server keypair (NAME.key[_secret]), authorized
 
 Point `serving_config.curve_keys` (or LLM_SERVING_CURVE_KEYS) at the folder on every host; give a
 server host only server.key_secret and agent.key, an agent host agent.key_secret and authorized/.

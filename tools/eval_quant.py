@@ -8,7 +8,7 @@ float32 on the same tokens): on the 533 tokens the corpus had before, that error
 and SmolLM2 int8 read anywhere from +0.39% to +1.34% as kernels changed the rounding of single
 activations; the same weights over 7639 tokens of other text gave +0.32% (Zen 4).
 
-    python tools/eval_quant.py [--model smollm2] [--dtype int8] [--tokens 16] [--groups 64,0] [--kv auto,int8]
+    python -m tools.eval_quant [--model smollm2] [--dtype int8] [--tokens 16] [--groups 64,0] [--kv auto,int8]
                                [--llama-cpp .peers/llamacpp/bin/llama-server --gguf-dir .peers/models/smollm2]
 
 --llama-cpp adds the same greedy comparison for llama.cpp's q8_0 against its own f32, from

@@ -1,9 +1,9 @@
 """Write one model in the formats our peers load: a Hugging Face folder (config.json, safetensors,
 tokenizer.json; vLLM and transformers) and GGUF files (llama.cpp), from the same weights.
 
-    python tools/export_model.py --from smollm2 --out .peers/models/smollm2
-    python tools/export_model.py --random --out .peers/models/llama-768x12   # hidden 768, 12 layers
-    python tools/export_model.py --random --shape llama-7b --dtype bf16 --gguf "" --out .peers/models/llama-7b
+    python -m tools.export_model --from smollm2 --out .peers/models/smollm2
+    python -m tools.export_model --random --out .peers/models/llama-768x12   # hidden 768, 12 layers
+    python -m tools.export_model --random --shape llama-7b --dtype bf16 --gguf "" --out .peers/models/llama-7b
 
 Everything streams tensor by tensor (random tensors are generated as they are written, each from
 its own seed): a 7B export holds one tensor at a time, never the model (27 GB as float32).

@@ -1,6 +1,6 @@
 """Fault injection: a streaming load while agents are SIGKILLed or SIGSTOPped at random.
 
-    python tools/fault_inject.py --config configs/smollm2.yaml --requests 60 --faults 3
+    python -m tools.fault_inject --config configs/smollm2.yaml --requests 60 --faults 3
 
 Starts `llm-serving` on the config (loopback only, with a short step timeout so a stopped agent is
 found quickly), sends a fixed number of requests of random lengths from a few client threads, and

@@ -2,7 +2,7 @@
 workload as one left-padded greedy `generate` batch (no server: HF has none). Run with a Python
 that has torch and transformers (the vLLM venv does); writes the llm-bench summary keys it can.
 
-    python tools/hf_generate.py MODEL_DIR --num-prompts 64 --input-len 128 --output-len 128 --save-result F
+    python -m tools.hf_generate MODEL_DIR --num-prompts 64 --input-len 128 --output-len 128 --save-result F
 """
 from __future__ import annotations
 

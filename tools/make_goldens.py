@@ -6,7 +6,7 @@ tests/agent/test_families.py loads each folder through our loader and compares.
 Run by hand in a separate venv (CI never installs torch):
 
     python3 -m venv /tmp/ref && /tmp/ref/bin/pip install torch==2.13.0 transformers safetensors
-    /tmp/ref/bin/python tools/make_goldens.py --out tests/fixtures/families
+    /tmp/ref/bin/python -m tools.make_goldens --out tests/fixtures/families
 
 transformers 5.x writes `rope_parameters`; 4.x (`pip install 'transformers<5'`) writes top-level
 `rope_theta` / `rope_scaling`: each run names its folders by the layout it wrote (`-tf5`, `-tf4`).

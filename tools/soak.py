@@ -1,6 +1,6 @@
 """Soak: mixed traffic for a fixed time while the server's and the agents' memory is sampled.
 
-    python tools/soak.py --config configs/smollm2.yaml --minutes 20 [--clients 6]
+    python -m tools.soak --config configs/smollm2.yaml --minutes 20 [--clients 6]
 
 Starts `llm-serving` on the config (loopback), then each client thread loops over eight request
 kinds (completions greedy / seeded sampling / logprobs / stop strings and penalties, chat, TGI

@@ -2,7 +2,7 @@
 per value (each budget has its own graph set), the same llm-bench workload against each, one table
 and one PNG.
 
-    python tools/sweep_budget.py --config configs/smollm2.yaml --budgets 128,256,512,1024 \\
+    python -m tools.sweep_budget --config configs/smollm2.yaml --budgets 128,256,512,1024 \\
         --out docs/budget_sweep -- --num-prompts 64 --input-len 200 --output-len 128 --request-rate 2
 
 Arguments after `--` go to llm-bench (tools/bench_serving.py). Needs the `bench` extra (matplotlib).

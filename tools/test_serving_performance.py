@@ -1,7 +1,7 @@
 """The 2024 contest's benchmark client (performance_serving/test_serving_performance.py), same flags
 and outputs, plus a summary and a precision mode.
 
-    python tools/test_serving_performance.py -X 2 -P 8835 -O ./out -T 750
+    python -m tools.test_serving_performance -X 2 -P 8835 -O ./out -T 750
 
 Sends X*T requests, gaps of about 1/X s (Poisson in milliseconds, as the original), each streamed
 greedily to /models/llama2/generate_stream with return_full_text; prompts from an Alpaca-format
