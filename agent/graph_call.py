@@ -1,8 +1,8 @@
 """Calls a built graph without MindSpore's per-call compile check.
 
 `Cell.__call__` in graph mode re-derives the graph's key from the arguments on every call
-(`generate_arguments_key`, attribute writes on the Cell, phase strings) before it runs the graph:
-~1 ms of a ~12 ms one-token int8 SmolLM2 step (Zen 3, median of 200 calls each way, same process).
+(`generate_arguments_key`, attribute writes on the Cell, phase strings) before it runs the graph: a
+visible share of a small step (docs/perf-notes.md).
 The graphs here have static shapes, so the key follows from the argument shapes alone: the first
 call of a shape goes through the Cell (building or loading its graph) and records the phase it
 ran; later calls of that shape hand the tensors to the graph executor under that phase, as
@@ -61,6 +61,13 @@ def device_free_memory(device_id: int) -> int | None:
     return int(getattr(props, "free_memory", 0) or getattr(props, "total_memory", 0)) or None
 
 
+def source_digest(key: str = "", folder: Path = Path(__file__).parent) -> str:
+    """What a compiled graph depends on besides its shapes: every Python file under agent/ (its rooms
+    included), the native kernels' sources and `key`."""
+    src = b"".join(p.read_bytes() for p in sorted(folder.rglob("*.py")))
+    return hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
+
+
 def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int = 0) -> tuple[str, int]:
     """Graph mode on the chosen device (LLM_SERVING_DEVICE, from serving_config.device) and
     `device_id`, with the on-disk compile cache in a folder keyed by our model source and `key`
@@ -69,8 +76,7 @@ def setup_mindspore(cache_dir: str | None = None, key: str = "", device_id: int 
     import mindspore as ms
 
     if cache_dir:
-        src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))  # all of agent/
-        digest = hashlib.sha1(src + kernels.sources_digest().encode() + key.encode()).hexdigest()[:16]
+        digest = source_digest(key)
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
         os.environ["MS_COMPILER_CACHE_PATH"] = str(Path(cache_dir) / digest)
     ms.set_context(mode=ms.GRAPH_MODE)

@@ -9,19 +9,15 @@ import logging
 import os
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 from agent.server import AgentServer
-from common.cpu import apply_isa_cap, describe
+from common.config import ServingConfig
+from common.cpu import apply_isa_cap
 from shm.curve import INSECURE_ENV, KeyFolder, exposure
 from shm.endpoint import PortInUse, PortLock, agent_address
-from shm.messages import AgentInfo
-
-# quant_group_size's special values, as the load line names them
-GROUP_WORDS = {0: "8th of a row and token", -1: "output channel and token (down projection: groups)"}
 
 log = logging.getLogger("llm_serving.agent")
 
@@ -109,72 +105,14 @@ def _quiet_console(port: int) -> Path | None:
     return path
 
 
-def activation_estimate(model_cfg: Any, cfg: Any) -> int:
-    """The memory plan's activation bytes for this model and the largest step (common/memory.py)."""
-    from common.memory import ModelShape, activation_bytes
-
-    m = model_cfg
-    shape = ModelShape(m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads,
-                       m.head_dim)
-    return activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
-
-
-def _serve(cfg: Any, index: int, owner_pid: int | None, tp_link: str | None) -> None:
+def _serve(cfg: ServingConfig, index: int, owner_pid: int | None, tp_link: str | None) -> None:
     _pin(index, len(cfg.agent_ports), cfg.agent_cores)
-    device_id = cfg.start_device_id + index
     os.environ["LLM_SERVING_DEVICE"] = cfg.device  # read by the native kernels' switch too
-    os.environ["DEVICE_ID"] = str(device_id)
+    os.environ["DEVICE_ID"] = str(cfg.start_device_id + index)
     apply_isa_cap()  # before MindSpore's oneDNN first dispatches
-    from agent.runner import ModelRunner  # mindspore first
-    from agent.runner_config import RunnerConfig, compile_cache_key
-    from agent.graph_call import device_free_memory, setup_mindspore
-    from common.config import ConfigError
-    from agent.tensor_parallel import Group
-    from agent.calibrate import CALIBRATION_TEXT
-    from agent.weights import load_model
-    from common.memory import plan as memory_plan
-    from common.model_files import model_identity, resolve_model
-    from common.tokenizer import load_tokenizer
-    from common.grammar import ll_tokenizer
-    from agent.grammar import Grammars
+    from agent.boot import load_runner  # MindSpore from here on
 
-    t0 = time.monotonic()
-    files = resolve_model(cfg.model_path, cfg.model_cfg_path)
-    if not cfg.num_blocks:  # num_blocks: auto and no launcher sized it (an agent started by itself)
-        log.info("memory plan:\n%s", memory_plan(cfg, files, 1).describe())
-    int8 = cfg.model_dtype == "int8"
-    model_cfg, weights = load_model(files, cfg.max_model_len, int8=int8)
-    log.info("weights loaded in %.1fs from %s (%d layers, hidden %d, vocab %d)", time.monotonic() - t0, files.path,
-             model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
-    tp = cfg.tensor_parallel_size
-    rc = RunnerConfig.from_serving(cfg, Group.from_link(tp_link, index, tp, model_cfg.hidden_size, model_cfg.vocab_size,
-                                                        cfg.token_buckets[-1], cfg.max_rows))
-    # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
-    device, device_id = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None,
-                                        key=compile_cache_key(model_cfg, rc), device_id=device_id)
-    free = device_free_memory(device_id)
-    refusal = memory_plan(cfg, files, 1, device_free=free).refusal() if free is not None else None
-    if refusal:  # before the model takes any device memory
-        raise ConfigError(refusal)
-    tok = load_tokenizer(files, cfg.tokenizer_path)
-    calibration = tok.encode(CALIBRATION_TEXT) if int8 else None
-    # The ranks of a group sample alike: one seed per replica.
-    runner = ModelRunner(model_cfg, weights, rc, seed=index // tp, calibration=calibration)
-    runner.seqs.grammars = Grammars(ll_tokenizer(tok, model_cfg.vocab_size), model_cfg.vocab_size, runner.lib)
-    del weights
-    log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
-             runner.model.weight_bytes / 2**20, cfg.model_dtype,
-             f", int8 scale per {GROUP_WORDS.get(rc.int8_group, rc.int8_group)}" if int8 else "", device, device_id)
-    log.info("CPU: %s; kernels: %s", describe(), runner.kernel_paths)
-    if cfg.warmup:
-        runner.warmup()
-    log.info("model loaded and compiled in %.1fs (%d graphs)", time.monotonic() - t0, runner.graph_compiles)
-    info = AgentInfo(model_cfg.vocab_size, list(model_cfg.eos_token_ids), cfg.geometry,
-                     model_identity(cfg.model_name, files), device, device_id, cfg.model_dtype,
-                     runner.model.weight_bytes, runner.model.streamed_bytes, runner.model.kv_cache_bytes,
-                     runner.kv_dtype, activation_estimate(model_cfg, cfg), runner.kernel_paths,
-                     launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
-                     tp_rank=rc.tp.rank, tp_size=rc.tp.size, pads_cost=not runner.model.one_op_stack)
+    runner, info = load_runner(cfg, index, owner_pid, tp_link)
     server = AgentServer(agent_address(cfg.agent_ports[index], cfg.bind_host(index)), runner, info, owner_pid,
                          KeyFolder.find(cfg.curve_keys))
     server.serve()

@@ -9,24 +9,27 @@ from typing import Any
 import numpy as np
 
 from agent import kernels
-from agent.calibrate import activation_ranges
+from agent.model.calibrate import activation_ranges
 from agent.graph_call import GraphCall, freeze_compile_cache
-from agent.backend import Backend
-from agent.model import LlamaConfig, LlamaModel
-from agent.runner_config import RunnerConfig, bucket
+from agent.model.backend import Backend
+from agent.model_config import ModelConfig
+from agent.model.decoder import DecoderModel
+from agent.runner_config import RunnerConfig, bucket, graph_for, logit_positions, row_starts
+from agent.grammar import Grammars
 from agent.sampling import sample, score
 from agent.sequences import SequenceState
 from agent.tensor_parallel import shard
 from common.memory import kv_dtype_for
-from shm.step import StepInputs, StepView
+from shm.step import StepInputs, StepOutputs, StepView
 
 log = logging.getLogger("llm_serving.agent")
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: LlamaConfig, weights: dict[str, Any], rc: RunnerConfig, seed: int = 0,
-                 calibration: list[int] | None = None):
-        """`calibration`: token ids of agent.calibrate.CALIBRATION_TEXT, for int8 smoothing."""
+    def __init__(self, model_cfg: ModelConfig, weights: dict[str, Any], rc: RunnerConfig, seed: int = 0,
+                 calibration: list[int] | None = None, grammar_tokenizer: Any = None):
+        """`calibration`: token ids of agent.model.calibrate.CALIBRATION_TEXT (int8 smoothing);
+        `grammar_tokenizer`: common.grammar.ll_tokenizer's, for constrained decoding."""
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
@@ -39,10 +42,12 @@ class ModelRunner:
         self.kv_dtype = backend.kv_dtype
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype, rc.int8_group)
         shard_cfg, weights = shard(model_cfg, weights, rc.tp, lib)  # tensor parallel: this rank's share
-        self.model = LlamaModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
+        self.model = DecoderModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.graph = GraphCall(self.model)
         self.rng = np.random.default_rng(seed)
         self.seqs = SequenceState()
+        if grammar_tokenizer is not None:
+            self.seqs.grammars = Grammars(grammar_tokenizer, model_cfg.vocab_size, lib)
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
 
     @property
@@ -55,9 +60,9 @@ class ModelRunner:
         from mindspore import Tensor
 
         self.compiled.add((tokens.shape[0], tables.shape[0], logit_rows.shape[0]))
-        # Wrapped, not copied (the arrays are this call's own): 10 against 93 us for the six (Zen 3).
+        # Wrapped, not copied: the arrays are this call's own (docs/perf-notes.md).
         args = [Tensor.from_numpy(a) for a in (tokens, positions, slots, token_rows, tables, logit_rows)]
-        if compile_only:  # build (or load) the graph without running it: 0.2-0.6 s less per graph
+        if compile_only:  # build (or load) the graph without running it: faster than a first run
             self.graph.compile(*args)
             return np.empty(0), np.empty(0)
         logits, lse = self.graph(*args)
@@ -70,7 +75,7 @@ class ModelRunner:
         qlens = x.query_lens
         n_rows, n_tokens = qlens.shape[0], x.tokens.shape[0]
         starts = row_starts(qlens, n_tokens)
-        t_pad, r_pad = self.graph_for(x)
+        t_pad, r_pad = graph_for(x, self.rc)
         where = logit_positions(x, starts)
         tokens = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -89,24 +94,10 @@ class ModelRunner:
         logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows)
         return logits[:where.size], lse[:where.size]
 
-    def graph_for(self, x: StepInputs) -> tuple[int, int]:
-        """(tokens, rows) of the graph that runs this step; ValueError if none can (checked before
-        the model runs, so a bad step is refused without touching the runtime)."""
-        starts = row_starts(x.query_lens, x.tokens.shape[0])
-        t_pad = bucket(x.tokens.shape[0], self.rc.token_buckets)
-        r_pad = self.rc.rows_for(t_pad)
-        if x.query_lens.shape[0] > r_pad:
-            raise ValueError(f"{x.query_lens.shape[0]} rows exceed the {r_pad} of a {t_pad}-token step")
-        heads, most = logit_positions(x, starts).size, max(self.rc.logit_rows_for(t_pad))
-        if heads > most:
-            raise ValueError(f"{heads} sampled and scored tokens exceed the {most} LM-head rows of a {t_pad}-token step")
-        if np.any(x.slots < self.rc.block_size):  # the stack op tells padding from tokens by it
-            raise ValueError("block 0 is reserved for padding: no token of a step may write it")
-        return t_pad, r_pad
-
     def step(self, v: StepView, free: list[int], grammars: list[list[Any]] | None = None) -> float:
-        """Run one step described by arena views `v`; writes its outputs. Returns model seconds.
-        `grammars`: the constrained sequences it (re)admits (agent/grammar.py)."""
+        """Run one step described by arena views `v` and write its outputs: its inputs (fed tokens
+        filled in), the forward, then the sampled rows. Returns model seconds. `grammars`: the
+        constrained sequences it (re)admits (agent/grammar.py)."""
         self.seqs.free(free)
         self.seqs.start_grammars(grammars or [])
         x = v.inputs
@@ -119,34 +110,40 @@ class ModelRunner:
         logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
         writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
-        if v.scores.score_logprobs.size and writes:  # prompt logprobs, before anything changes the logits
-            score(x, v.sampling, starts, logit_positions(x, starts), logits, lse, v.scores)
-        sampled = np.nonzero(x.sample)[0]
-        # Where every row samples (decode steps), a slice: views instead of copies. The logits' copy
-        # alone took ~65 us of a one-row SmolLM2 int8 step, cache-cold after the weights went through.
-        rows = slice(0, sampled.size) if sampled.size == x.sample.shape[0] else sampled
-        if self.seqs.dump is not None and writes:  # before penalties change the logits in place
-            self.seqs.write_dump(x, tokens, starts, logits[rows], rows)
-        if sampled.size:
-            hist = [self.seqs.history(int(x.seq_ids[r])) for r in sampled]
-            lg = logits[rows]
-            g = self.seqs.grammars
-            constrained = g.constrained(x.seq_ids[rows]) if g is not None else []
-            failed = g.mask(lg, constrained) if constrained else None
-            res = sample(lg, lse[rows], v.sampling.take(rows), hist, self.rng)
-            res.ids[unfed[rows]] = -1  # its input was unknown: this row fails, its neighbours go on
-            if constrained:
-                res.ids[failed] = -1  # its grammar is in error: this row fails
-                g.consume(constrained, res.ids)
-            self.seqs.sampled(x.seq_ids[rows], res.ids)
-        if sampled.size and writes:
-            out = v.outputs
-            out.ids[rows] = res.ids
-            out.logprobs[rows] = res.logprobs
-            n = res.top_ids.shape[1]
-            out.top_ids[rows, :n] = res.top_ids
-            out.top_logprobs[rows, :n] = res.top_logprobs
+        rows = sampled_rows(x.sample)
+        if writes:  # from the logits as the model gave them: penalties and masks change them in place
+            self._score_and_dump(v, tokens, starts, logits, lse, rows)
+        if x.sample.any():
+            res = self._sample(v, logits[rows], lse[rows], rows, unfed)
+            if writes:
+                write_samples(v.outputs, rows, res)
         return elapsed
+
+    def _score_and_dump(self, v: StepView, tokens: np.ndarray, starts: np.ndarray, logits: np.ndarray,
+                        lse: np.ndarray, rows: slice | np.ndarray) -> None:
+        """Prompt logprobs, and the contest's precision files (--dump-logits)."""
+        x = v.inputs
+        if v.scores.score_logprobs.size:
+            score(x, v.sampling, starts, logit_positions(x, starts), logits, lse, v.scores)
+        if self.seqs.dump is not None:
+            self.seqs.write_dump(x, tokens, starts, logits[rows], rows)
+
+    def _sample(self, v: StepView, logits: np.ndarray, lse: np.ndarray, rows: slice | np.ndarray,
+                unfed: np.ndarray) -> StepOutputs:
+        """The sampled rows' tokens under their grammars' masks; a row whose input was unknown or whose
+        grammar is in error gets -1 (it fails, its neighbours go on)."""
+        seq_ids = v.inputs.seq_ids[rows]
+        hist = [self.seqs.history(int(s)) for s in seq_ids]
+        g = self.seqs.grammars
+        constrained = g.constrained(seq_ids) if g is not None else []
+        failed = g.mask(logits, constrained) if constrained else None
+        res = sample(logits, lse, v.sampling.take(rows), hist, self.rng)
+        res.ids[unfed[rows]] = -1
+        if constrained:
+            res.ids[failed] = -1
+            g.consume(constrained, res.ids)
+        self.seqs.sampled(seq_ids, res.ids)
+        return res
 
     def reset(self) -> None:
         self.seqs.reset()
@@ -170,16 +167,17 @@ class ModelRunner:
         freeze_compile_cache()
 
 
-def logit_positions(x: StepInputs, starts: np.ndarray) -> np.ndarray:
-    """Token indices the LM head runs on: every row's last token, then the scored tokens (prompt
-    logprobs) that are not a row's last."""
-    last = starts + x.query_lens - 1
-    scored = np.nonzero(x.targets >= 0)[0]
-    return np.concatenate([last, np.setdiff1d(scored, last)]) if scored.size else last
+def sampled_rows(sample: np.ndarray) -> slice | np.ndarray:
+    """The rows that sample: where every row does (decode steps) a slice, so the logits are views, not
+    copies (docs/perf-notes.md)."""
+    sampled = np.nonzero(sample)[0]
+    return slice(0, sampled.size) if sampled.size == sample.shape[0] else sampled
 
 
-def row_starts(qlens: np.ndarray, n_tokens: int) -> np.ndarray:
-    """Each row's first token index in the packed step (ValueError unless the lengths add up)."""
-    if int(qlens.sum()) != n_tokens or np.any(qlens <= 0):
-        raise ValueError("query_lens must be positive and sum to n_tokens")
-    return (np.cumsum(qlens) - qlens).astype(np.int64)
+def write_samples(out: StepOutputs, rows: slice | np.ndarray, res: StepOutputs) -> None:
+    """The sampled tokens, their logprobs and top alternatives into the arena's outputs."""
+    out.ids[rows] = res.ids
+    out.logprobs[rows] = res.logprobs
+    n = res.top_ids.shape[1]
+    out.top_ids[rows, :n] = res.top_ids
+    out.top_logprobs[rows, :n] = res.top_logprobs

@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from agent.runner_config import graph_for
 from common.procs import pid_alive
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
@@ -57,8 +58,7 @@ class AgentServer:
     def __init__(self, address: str, runner: Any, info: AgentInfo, owner_pid: int | None = None,
                  curve: KeyFolder | None = None):
         """`curve`: keys for a tcp agent (shm/curve.py): only listed servers get through."""
-        self.address, self.runner, self.info, self.owner_pid = address, runner, info, owner_pid
-        self.curve = curve
+        self.address, self.runner, self.info, self.owner_pid, self.curve = address, runner, info, owner_pid, curve
         self.arenas: list[Arena] = []  # the attached server's arena slots
         self.segment: Segment | None = None
         self.peer: bytes | None = None  # routing id of the attached server
@@ -126,7 +126,7 @@ class AgentServer:
             check_indices(v, self.runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
             if msg.cmd == P.DECODE_STEP:
                 check_decode(v)
-            graph_tokens, _ = self.runner.graph_for(v.inputs)
+            graph_tokens, _ = graph_for(v.inputs, self.runner.rc)
         except ValueError as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
@@ -172,15 +172,7 @@ class AgentServer:
             return P.error_reply(P.E_FAILED, f"{type(exc).__name__}: {exc}", mid)
 
     def serve(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        auth = self.curve.serve(ctx, sock) if self.curve is not None and self.address.startswith("tcp://") else None
-        old = os.umask(0o077)  # an ipc socket file owner-only (0600): no other uid may connect and send `r`
-        try:
-            sock.bind(self.address)
-        finally:
-            os.umask(old)
+        sock, auth = _bound_router(self.address, self.curve)
         log.info("agent ready on %s", self.address)
         try:
             while not self.exiting:
@@ -198,3 +190,17 @@ class AgentServer:
             sock.close(0)
             if auth is not None:
                 auth.stop()
+
+
+def _bound_router(address: str, curve: KeyFolder | None) -> tuple[zmq.Socket, Any]:
+    """The agent's socket, bound; with CURVE keys on tcp, (its authenticator) lets only listed servers in."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth = curve.serve(ctx, sock) if curve is not None and address.startswith("tcp://") else None
+    old = os.umask(0o077)  # an ipc socket file owner-only (0600): no other uid may connect and send `r`
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old)
+    return sock, auth

@@ -29,7 +29,7 @@ from common.model_files import resolve_model
 from shm.arena import segment_name
 
 if TYPE_CHECKING:  # the launcher imports this module: no mindspore here
-    from agent.model import LlamaConfig
+    from agent.model_config import ModelConfig
 
 SEGMENT_DIR = Path("/dev/shm")
 
@@ -98,7 +98,7 @@ def open_group(lib: str, group: Group) -> None:
         raise RuntimeError(f"tensor-parallel segment {group.segment}: cannot map it (code {rc})")
 
 
-def shard(cfg: LlamaConfig, weights: Mapping, group: Group, lib: str | None) -> tuple[LlamaConfig, Mapping]:
+def shard(cfg: ModelConfig, weights: Mapping, group: Group, lib: str | None) -> tuple[ModelConfig, Mapping]:
     """The model and weights of this rank, its collectives set up (size 1: as they are): the native
     ones over the group's segment when the kernels are built, else mindspore.communication."""
     if not group.parallel:
@@ -138,7 +138,7 @@ def run_scheduler(port: int, size: int) -> None:
     init()
 
 
-def check_shape(cfg: LlamaConfig, size: int) -> str | None:
+def check_shape(cfg: ModelConfig, size: int) -> str | None:
     """Why `cfg` cannot be split `size` ways, or None."""
     kv_split = cfg.num_kv_heads % size == 0 or size % cfg.num_kv_heads == 0
     if cfg.num_heads % size or cfg.intermediate_size % size or not kv_split:
@@ -147,7 +147,7 @@ def check_shape(cfg: LlamaConfig, size: int) -> str | None:
     return None
 
 
-def rank_config(cfg: LlamaConfig, size: int) -> LlamaConfig:
+def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The model one rank runs: its heads, KV heads and FFN columns; the vocabulary padded to `size`
     shards (the gathered logits are cut back to the vocabulary)."""
     return replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
@@ -194,7 +194,7 @@ class ShardedWeights(Mapping):
     """Hugging Face-named weights as rank `rank` of `size` sees them: each tensor sliced when it is
     read (a lazily loaded file keeps one full tensor in memory at a time)."""
 
-    def __init__(self, weights: Mapping, cfg: LlamaConfig, rank: int, size: int):
+    def __init__(self, weights: Mapping, cfg: ModelConfig, rank: int, size: int):
         self.w, self.cfg, self.rank, self.size = weights, cfg, rank, size
         hd, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         q0 = rank * heads // size

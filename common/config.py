@@ -17,14 +17,9 @@ from common.cpu import isa_cap
 from common.config_values import WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
-
-
-# At most this many inputs per int8 scale (agent.quant.group_for): 576-input rows (SmolLM2's hidden
-# size) get one block of 8 groups of 72 instead of two of 36, so the int8 tile scales its sums half
-# as often. SmolLM2 int8, against 64 (Zen 4, bench_agent, two runs in either order): 64-row decode
-# step 1.09-1.10x, 256-token prefill 1.05-1.08x; perplexity +0.57% against +0.61% over fp32 (± 0.14,
-# eval_quant). Rows of 1536, 2048, 4096, 5632 or 8192 inputs keep groups of 64: groups of 72 would
-# pad them (agent.quant.group_for).
+# At most this many inputs per int8 scale (agent.model.quant.group_for): 576-input rows (SmolLM2's hidden
+# size) get one block of 8 groups of 72, not two of 36: the int8 tile scales its sums half as often, at
+# the same accuracy (docs/perf-notes.md). Rows of 1536 to 8192 inputs keep groups of 64 (72 would pad them).
 QUANT_GROUP_SIZE = 72
 CHANNEL_GROUP = -1  # quant_group_size for one scale per output channel and token (agent/kernels/int8_channel.cpp)
 
@@ -33,10 +28,8 @@ def int8_group(value: int | str, flags: set[str]) -> int:
     """quant_group_size as the agent runs it on a CPU with `flags`: `auto` takes per-channel int8
     (oneDNN's int8 matmul, our stream for few tokens) where the CPU has AVX512-VNNI or AMX-INT8, and
     groups of QUANT_GROUP_SIZE elsewhere (without VNNI oneDNN's int8 sums saturate; AVX-VNNI alone is
-    unmeasured). Zen 4, SmolLM2 64 x 128/128 all at once, 4 rounds alternating: per channel 648-746
-    output tok/s against 611-656 in groups (1.09x), TTFT p99 4.3-4.7 s against 4.8-5.6; perplexity
-    +0.29% against +0.57-0.66% over fp32 (Gemma 3 270M -0.12% against +3.09%), the fp32 top token
-    kept at 93.7% of positions against 96.5%. On AMX its multiply-adds run on the tiles."""
+    unmeasured). Per channel is the faster and the more accurate of the two where it runs, on AMX
+    tiles where the CPU has them (docs/benchmarks.md, "Accuracy by dtype")."""
     if value != "auto":
         return int(value)
     return CHANNEL_GROUP if flags & {"avx512_vnni", "amx_int8"} else QUANT_GROUP_SIZE
@@ -55,7 +48,7 @@ class ServingConfig:
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
-    model_dtype: str = "float32"  # "bfloat16"/"float16": 16-bit projection weights; "int8": W8A8 (agent/layers.py)
+    model_dtype: str = "float32"  # "bfloat16"/"float16": 16-bit projection weights; "int8": W8A8 (agent/model/linear.py)
     kv_cache_dtype: str = "auto"  # ours (vLLM's): auto (common.memory.kv_dtype_for), float32, bfloat16, float16
     # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 per row; -1 = per channel; auto: int8_group
     quant_group_size: int | str = "auto"
@@ -136,18 +129,8 @@ class ServingConfig:
 
     @property
     def token_buckets(self) -> list[int]:
-        """Padded token counts of a packed step: its graphs are all built before ready. The YAML's
-        sizes up to the step's budget, and powers of two from 1 wherever two sizes are more than
-        BUCKET_RATIO apart: the contest's [128] / [4096] alone ran a lone decode as a 128-token step
-        (1.13 s for 8 tokens vs 0.25 s); with the ladder it runs as 1 token."""
-        out, below = [], 1
-        for size in self.listed_buckets:
-            while size > below * BUCKET_RATIO:
-                below = 1 << (below * BUCKET_RATIO).bit_length() - 1  # the largest power of two <= 4x below
-                out.append(below)
-            out.append(size)
-            below = size
-        return sorted(set(out) | {1})
+        """Padded token counts of a packed step: its graphs are all built before ready."""
+        return bucket_ladder(self.listed_buckets)
 
     @property
     def listed_buckets(self) -> list[int]:
@@ -194,6 +177,20 @@ class ServingConfig:
         return self
 
 
+def bucket_ladder(sizes: list[int]) -> list[int]:
+    """The YAML's sizes, and powers of two from 1 wherever two sizes are more than BUCKET_RATIO apart:
+    the contest's [128] / [4096] alone ran a lone decode as a 128-token step, many times slower than
+    the 1-token step the ladder gives it."""
+    out, below = [], 1
+    for size in sizes:
+        while size > below * BUCKET_RATIO:
+            below = 1 << (below * BUCKET_RATIO).bit_length() - 1  # the largest power of two <= 4x below
+            out.append(below)
+        out.append(size)
+        below = size
+    return sorted(set(out) | {1})
+
+
 class ConfigError(ValueError):
     """A config that cannot be served: one line naming the key, its value and what is allowed."""
 
@@ -214,7 +211,7 @@ def _check_together(c: ServingConfig) -> None:
     if len(c.agent_ports) % c.tensor_parallel_size:
         raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size}: must divide the "
                           f"{len(c.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
-    if c.device != "CPU" and c.model_dtype not in ("float32", "float16"):  # agent.backend.PLAIN_DTYPES
+    if c.device != "CPU" and c.model_dtype not in ("float32", "float16"):  # agent.model.backend.PLAIN_DTYPES
         raise ConfigError(f"model_dtype {c.model_dtype} on {c.device}: the plain MindSpore path other devices run "
                           "holds float32 or float16 weights")
     if c.tensor_parallel_size > 1 and c.model_dtype == "int8":

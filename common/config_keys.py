@@ -91,7 +91,7 @@ KEYS: list[Key] = [
              "weights; `int8` with int8 weights, since a many-row decode reads the whole cache and its time follows "
              "the bytes; else `float32`), `float32`, `bfloat16`, `float16` or `int8`; 16-bit caches halve the KV memory (the pool "
              "holds twice the tokens in the same bytes), int8 takes hd + 4 bytes a head (values rounded to max|x|/127 "
-             "steps, then that scale: 0.53x float16's bytes; accuracy in docs/benchmarks.md); rope writes k/v rounded to it "
+             "steps, then that scale: about half of float16's bytes; accuracy in docs/benchmarks.md); rope writes k/v rounded to it "
              "(float16 saturating at its largest value) and paged attention widens them to fp32 as it reads (needs "
              "the native kernels). `--kv-cache-dtype` on `llm-serving` and `launch_agents`"),
     Key(M, "quant_group_size", "quant_group_size", as_group, lambda v: v in ("auto", -1, 0) or (isinstance(v, int) and v >= 4),
@@ -99,11 +99,11 @@ KEYS: list[Key] = [
         here="with `int8`: `auto` (the default) is `-1` on CPUs with AVX512-VNNI or AMX-INT8 and `72` on the "
              "others (common.config.int8_group); a number: at most this many inputs share one int8 scale, in weights and "
              "activations (>= 4; the agent picks the multiple of 4 that cuts a row into the fewest blocks of 8 groups "
-             "padding it by at most 1%: 72 for 576 inputs, 64 for 1536 or 8192); `0` = 8 scales per row (faster "
-             "prefill, perplexity +1.0% instead of +0.4% on SmolLM2); `-1` = one scale per output channel and per token "
+             "padding it least: 72 for 576 inputs, 64 for 1536 or 8192); `0` = 8 scales per row (faster "
+             "prefill, less accurate); `-1` = one scale per output channel and per token "
              "on oneDNN's int8 matmul (AMX-INT8 where the CPU has it, AVX512-VNNI or AVX-VNNI below; refused at load "
-             "without VNNI, where its int16 sums saturate), the MLP's down projection keeping groups (perplexity +0.3% "
-             "on SmolLM2, -0.1% on Gemma 3 270M against +3.1% in groups; docs/benchmarks.md)"),
+             "without VNNI, where its int16 sums saturate), the MLP's down projection keeping groups (the more "
+             "accurate of the two on SmolLM2 and Gemma 3 270M: docs/benchmarks.md, \"Accuracy by dtype\")"),
     Key(M, "backend", None, original="`kbk` / `ge` MindFormers execution modes",
         here="warned about: the agent runs its own MindSpore graph-mode Llama"),
     Key(M, "zactivate_len", None, original="attention-width buckets",

@@ -100,7 +100,7 @@ def describe() -> str:
 def read_bandwidth(threads: int, size: int = 1 << 30) -> float:
     """Bytes/s that `threads` threads read from memory, each reducing its share of a `size`-byte
     buffer (numpy releases the GIL): a decode step reads every streamed weight once, at best at
-    this speed. A copy would count half its traffic (measured here: 24 GB/s copied, 35 read)."""
+    this speed. A copy would count half its traffic."""
     src = np.ones(size // 4, np.float32)
     parts = np.array_split(src, threads)
     best = float("inf")

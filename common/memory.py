@@ -10,12 +10,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError
+from common.config import ConfigError, ServingConfig
 from common.model_files import ModelFiles, mindformers_yaml
 
 GiB = 1 << 30
-# An agent process with MindSpore imported and its graphs built, before weights and KV (measured
-# on SmolLM2 and on a 200 MB model: 400 MiB RSS after `import mindspore`, ~150 MiB more for graphs).
+# An agent process with MindSpore imported and its graphs built, before weights and KV (measured:
+# docs/perf-notes.md).
 RUNTIME_BYTES = 600 << 20
 AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
 
@@ -83,14 +83,12 @@ def _gguf_shape(path: Path) -> ModelShape:
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
     """The KV cache's dtype: `auto` is the weights' 16-bit dtype (bfloat16, float16); int8 with int8
     weights; else float32. bfloat16 and int8 caches need the native kernels (the plain path keeps
-    float32, or float16 beside float16 weights; asked for otherwise, agent.backend refuses them).
+    float32, or float16 beside float16 weights; asked for otherwise, agent.model.backend refuses them).
 
-    int8 weights: a 64-row decode step reads the whole cache (at 192 keys of context 4x the weights'
-    bytes), and paged attention's time follows its bytes. A float16 cache made a SmolLM2 step at 128
-    keys 0.91x a float32 one's time (Zen 3); an int8 cache (hd + 4 bytes a head row) served the
-    all-at-once run 1.07x and 1.30x faster than float16 (Zen 4, alternating servers). Perplexity
-    (eval_quant's ~5000 tokens, Zen 4): int8 weights +0.57% over fp32 with it against +0.43% with
-    float16 (standard errors 0.12-0.14 points); fp32 weights with an int8 cache +0.15%."""
+    int8 weights: a many-row decode step reads the whole cache (at a few hundred keys of context,
+    several times the weights' bytes), and paged attention's time follows its bytes: the smallest
+    cache is the fastest, at a perplexity cost within the int8 weights' own (docs/benchmarks.md,
+    "Accuracy by dtype")."""
     if not native and kv_cache_dtype == "auto":  # the plain path: float16 weights keep a float16 cache
         return "float16" if model_dtype == "float16" else "float32"
     if kv_cache_dtype == "auto":
@@ -99,7 +97,7 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> 
 
 
 def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
-    """The weights as agent.layers stores them (one copy each, on every path): projections and LM
+    """The weights as agent.model.norms stores them (one copy each, on every path): projections and LM
     head in `dtype` (int8: plus a float32 scale per 64 inputs; float formats: each width padded to
     the kernels' 64-column blocks), the embedding and rope tables in float32."""
     per = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
@@ -201,7 +199,7 @@ class MemoryPlan:
             "fits" if self.refusal() is None else f"does not fit: {self.refusal()}"])
 
 
-def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available: int | None) -> int:
+def auto_blocks(cfg: ServingConfig, shape: ModelShape, agents: int, fixed: int, available: int | None) -> int:
     """`num_blocks: auto`: `kv_cache_memory` bytes of blocks when set; else AUTO_KV_SHARE of what is
     left per agent after `fixed` (weights, activations, runtime) on the host, or on each device
     (serving_config.device_memory), capped at every running sequence at full length; where the
@@ -224,7 +222,7 @@ def auto_blocks(cfg: Any, shape: ModelShape, agents: int, fixed: int, available:
     return blocks
 
 
-def plan(cfg: Any, files: ModelFiles, agents: int, device_free: int | None = None) -> MemoryPlan:
+def plan(cfg: ServingConfig, files: ModelFiles, agents: int, device_free: int | None = None) -> MemoryPlan:
     """The memory plan of `cfg` with `agents` agents on this host (or on a device each: against
     serving_config.device_memory, or `device_free` as an agent's runtime reports it); resolves
     `num_blocks: auto` (0) into cfg.num_blocks."""

@@ -116,7 +116,7 @@ def vocab_mismatch(cfg: ServingConfig, tokenizer: int, model: int) -> str | None
     return None
 
 
-def restarter(cfg: Any, config_path: str | None, overrides: dict[str, Any],
+def restarter(cfg: ServingConfig, config_path: str | None, overrides: dict[str, Any],
               procs: list) -> Callable[[int, bool], AgentLink]:
     """How the engine brings agent i back: respawn it when we started it, else wait for its
     launcher (launch_agents restarts it) until the recovery deadline; then attach again. An agent

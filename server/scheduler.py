@@ -23,17 +23,13 @@ from typing import TYPE_CHECKING
 from server.block_manager import BlockManager
 from common.config import ServingConfig
 from server.sampling_params import SamplingParams
+from server.step_plan import StepBuilder, StepPlan, commit, end_at_bucket
 from shm.step import RowOutput
 
 if TYPE_CHECKING:  # server.request imports this module
     from server.request import Request
 
 _ids = itertools.count(1)
-# A step pads to its token bucket, and padding costs as much as tokens (SmolLM2 fp32 on 2 Zen 3
-# cores, 8 decodes riding: 128 tokens 277 ms, 256 tokens 545 ms, ~2 ms a token) while a step's
-# fixed cost is worth ~40-60 tokens (16 tokens: 91 ms). So a step just past a bucket gives its last
-# chunk's overflow to the next step, when that saves at least this much padding.
-MIN_TRIMMED_PADDING = 64
 
 
 @dataclass(eq=False)
@@ -78,68 +74,20 @@ class Sequence:
                                      or len(self.prompt) + n_out >= max_model_len)
 
 
-@dataclass
-class Planned:
-    seq: Sequence
-    n_tokens: int
-    sample: bool
-    feed: bool = False  # a decode whose input token is the agent's own last sample for this sequence
-    start: int = 0  # position of the row's first token (the sequence's `computed` when planned)
-    output_len: int = 0  # tokens the sequence had generated before this row's sample (in flight included)
-    epoch: int = 0  # the sequence's preemptions when planned: its blocks are still the same while equal
-    admitted: bool = False  # its first row since it was (re)admitted: the agent gets its grammar again
-    targets: list[int] = field(default_factory=list)  # the prompt tokens its first tokens are scored against
-
-
-@dataclass
-class StepPlan:
-    """One step: its rows, the sequences ended since the last step (the agent drops their state),
-    and how many sequences planning it preempted."""
-    rows: list[Planned]
-    freed: list[int] = field(default_factory=list)
-    preempted: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.rows)
-
-    @property
-    def has_prefill(self) -> bool:
-        """Some row carries tokens (`*`); else every row is fed by the agent's last sample (`a`)."""
-        return not all(p.feed for p in self.rows)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(p.n_tokens for p in self.rows if p.start < len(p.seq.prompt))
-
-
-def score_room(plan: list[Planned], cfg: ServingConfig) -> int:
-    """Most tokens of a scored row in this step: its scored tokens share the graph's LM-head rows
-    with every row's last token (at most max_running of them, in a step of at most the mixed
-    budget, agent/runner_config.py); nothing is planned after it."""
-    return min(cfg.max_running - len(plan), cfg.mixed_step_tokens - sum(p.n_tokens for p in plan))
-
-
-def end_at_bucket(plan: list[Planned], buckets: list[int]) -> None:
-    """Cut the last prefill chunk so the step fills the bucket below instead of padding most of
-    the one above: only when the cut is smaller than the padding saved (the cut tokens pad a later
-    step at most that much) and the saving beats a step's fixed cost. E.g. a 141-token prompt
-    alone: 128 + 13 tokens in two steps (~340 ms) instead of 141 padded to 256 (545 ms)."""
-    total = sum(p.n_tokens for p in plan)
-    above = next((b for b in buckets if b >= total), total)
-    below = max((b for b in buckets if b < total), default=0)
-    cut, padding = total - below, above - total
-    last = plan[-1] if plan else None
-    if last and below and cut < last.n_tokens and cut < padding and padding >= MIN_TRIMMED_PADDING:
-        last.n_tokens -= cut  # its blocks stay reserved for the next step
-        last.sample = False
+def _order_key(seq: Sequence, policy: str) -> tuple:
+    """Waiting sequences' order: preempted ones first, then by the policy."""
+    if policy == "sjf":  # shortest max_new_tokens first (contest write-ups)
+        return (-seq.preemptions, seq.params.max_new_tokens, seq.arrival)
+    if policy == "priority":
+        return (-seq.preemptions, seq.params.priority, seq.arrival)
+    return (-seq.preemptions, seq.arrival)
 
 
 class Scheduler:
     def __init__(self, cfg: ServingConfig, pads_cost: bool = True):
         self.cfg = cfg
         # Whether the agent computes a step's padding (AgentInfo.pads_cost): where it skips it, cutting
-        # a prompt to a bucket only splits it, and its tail waits for the next, often larger, step
-        # (a 289-token prompt after 3 decodes: 253 + 36 tokens, first token 1.0 s instead of ~0.4).
+        # a prompt to a bucket only splits it, and its tail waits for the next, often larger, step.
         self.pads_cost = pads_cost
         # the prefix keys' root: what besides the tokens changes a block's KV
         salt = f"{cfg.model_name}|{cfg.model_path}|{cfg.model_cfg_path}|{cfg.model_dtype}|{cfg.kv_cache_dtype}"
@@ -149,13 +97,6 @@ class Scheduler:
         self.max_running = cfg.max_running
         self.preempted = 0  # total preemptions, for metrics
         self.freed: list[int] = []  # ended since the last plan that was sent
-
-    def _order_key(self, seq: Sequence) -> tuple:
-        if self.cfg.schedule_policy == "sjf":  # shortest max_new_tokens first (contest write-ups)
-            return (-seq.preemptions, seq.params.max_new_tokens, seq.arrival)
-        if self.cfg.schedule_policy == "priority":
-            return (-seq.preemptions, seq.params.priority, seq.arrival)
-        return (-seq.preemptions, seq.arrival)
 
     @property
     def load(self) -> int:
@@ -195,14 +136,14 @@ class Scheduler:
         longest = min(len(seq.prompt) + seq.params.max_new_tokens, self.cfg.max_model_len)
         return self.blocks.blocks_needed([], longest) <= self.blocks.num_blocks - 1
 
-    def _reserve(self, seq: Sequence, length: int, plan: list[Planned]) -> bool:
+    def _reserve(self, seq: Sequence, length: int, step: StepBuilder) -> bool:
         """Grow `seq` to `length` tokens, preempting the newest running sequences until it fits;
         False if `seq` itself was the newest and got preempted. The oldest running sequence never
         waits on a younger one, so every admitted sequence finishes (nothing stalls with an empty plan)."""
         while not self.blocks.grow(seq.table, length):
             victim = self.running[-1]
             self._preempt(victim)
-            plan[:] = [p for p in plan if p.seq is not victim]
+            step.drop(victim)
             if victim is seq:
                 return False
         return True
@@ -217,62 +158,55 @@ class Scheduler:
         return max(0.0, min(s.arrival for s in self.waiting) + window - now)
 
     def schedule(self) -> StepPlan:
+        """The next step: decodes first, then chunks of started prompts, then new prompts."""
         preempted = self.preempted
-        plan: list[Planned] = []
-        # Prefill ran ~30% faster per token in 512- than in 256-token steps on an AVX-512 Xeon (flat on
-        # an AVX2 Zen 3), but a larger step delays every decode riding in it: the larger budget only
-        # while nothing decodes.
+        # Prefill runs faster per token in larger steps on AVX-512 (docs/perf-notes.md), but a larger
+        # step delays every decode riding in it: the larger budget only while nothing decodes.
         decoding = any(seq.remaining == 1 for seq in self.running)
-        budget = self.cfg.token_budget if decoding else self.cfg.prefill_budget
-        for seq in list(self.running):  # 1. decodes, oldest first
+        step = StepBuilder(self.cfg, self.cfg.token_budget if decoding else self.cfg.prefill_budget)
+        self._plan_decodes(step)
+        self._plan_started(step)
+        self._plan_admissions(step)
+        if self.pads_cost:
+            end_at_bucket(step.rows, self.cfg.token_buckets)
+        commit(step.rows)
+        plan = StepPlan(step.rows, self.freed if step.rows else [], self.preempted - preempted)
+        if step.rows:
+            self.freed = []
+        return plan
+
+    def _plan_decodes(self, step: StepBuilder) -> None:
+        for seq in list(self.running):  # oldest first
             if (seq in self.running and seq.remaining == 1 and not seq.at_limit(self.cfg.max_model_len)
-                    and self._reserve(seq, seq.computed + 1, plan)):
-                plan.append(Planned(seq, 1, True, feed=seq.agent_has_next))
-                budget -= 1
-        prefill_rows = 0
-        for seq in list(self.running):  # 2. chunks of prompts already started, oldest first
-            if budget <= 0 or prefill_rows >= self.cfg.max_prefill_rows:
+                    and self._reserve(seq, seq.computed + 1, step)):
+                step.add_decode(seq)
+
+    def _plan_started(self, step: StepBuilder) -> None:
+        for seq in list(self.running):  # prompts already started, oldest first
+            if not step.open:
                 break
-            if seq not in self.running or seq.remaining <= 1:
-                continue
-            n = min(seq.remaining, budget, score_room(plan, self.cfg) if seq.scoring else budget)
-            if n > 0 and self._reserve(seq, seq.computed + n, plan):
-                plan.append(Planned(seq, n, n == seq.remaining))
-                budget = 0 if seq.scoring else budget - n
-                prefill_rows += 1
-        self.waiting.sort(key=self._order_key)
-        # A preempted sequence whose sampled token is still in flight waits for it: recomputing
-        # without it would sample that token a second time.
-        ready = [seq for seq in self.waiting if not seq.pending]
-        while (ready and budget > 0 and prefill_rows < self.cfg.max_prefill_rows
-               and len(self.running) < self.max_running):  # 3. admit new prompts while blocks last
-            seq = ready[0]
+            n = step.chunk(seq) if seq in self.running and seq.remaining > 1 else 0
+            if n > 0 and self._reserve(seq, seq.computed + n, step):
+                step.add_chunk(seq, n)
+
+    def _plan_admissions(self, step: StepBuilder) -> None:
+        """New prompts, in policy order, while blocks last. A preempted sequence whose sampled token is
+        still in flight waits for it: recomputing without it would sample that token a second time."""
+        self.waiting.sort(key=lambda seq: _order_key(seq, self.cfg.schedule_policy))
+        for seq in [seq for seq in self.waiting if not seq.pending]:
+            if not step.open or len(self.running) >= self.max_running:
+                break
             if not seq.table and not seq.scoring:
                 seq.table = self.blocks.match_prefix(seq.tokens)
                 seq.computed = len(seq.table) * self.cfg.block_size
-            n = min(seq.remaining, budget, score_room(plan, self.cfg) if seq.scoring else budget)
+            n = step.chunk(seq)
             if n <= 0 or not self.blocks.grow(seq.table, seq.computed + n):
                 self.blocks.release(seq.table)
                 seq.computed = 0
                 break
-            self.waiting.remove(ready.pop(0))
+            self.waiting.remove(seq)
             self.running.append(seq)
-            plan.append(Planned(seq, n, n == seq.remaining, admitted=True))
-            budget = 0 if seq.scoring else budget - n
-            prefill_rows += 1
-        if self.pads_cost:
-            end_at_bucket(plan, self.cfg.token_buckets)
-        for p in plan:  # the plan is final: its rows count as computed, its samples as pending
-            seq = p.seq
-            p.start, p.output_len, p.epoch = seq.computed, len(seq.output) + seq.pending, seq.preemptions
-            p.targets = seq.targets(p.start, p.n_tokens)
-            seq.computed += p.n_tokens
-            seq.pending += p.sample
-            seq.agent_has_next = p.sample
-        step = StepPlan(plan, self.freed if plan else [], self.preempted - preempted)
-        if plan:
-            self.freed = []
-        return step
+            step.add_chunk(seq, n, admitted=True)
 
     def update(self, plan: StepPlan, sampled: list[int | None]) -> None:
         """A step's reply: its samples are no longer pending, the full blocks it computed are

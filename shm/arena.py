@@ -102,7 +102,7 @@ class Arena:
 
     def step(self, dims: StepDims) -> StepView:
         """The live part of every field for a step of this size. The last one is kept: decode steps
-        repeat their sizes, and building the 24 views cost ~120 us of the agent's step."""
+        repeat their sizes, and building the 24 views is a visible part of a small step (docs/perf-notes.md)."""
         if self._last is not None and self._last[0] == dims:
             return self._last[1]
         lim = {"T": dims.n_tokens, "R": dims.n_rows, "W": dims.width, "N": MAX_TOP_LOGPROBS, "S": dims.n_scored}

@@ -138,7 +138,7 @@ def check_indices(v: StepView, vocab: int, num_blocks: int, block_size: int, max
     tokens are as many as its header said (else ValueError)."""
     x = v.inputs
     # As unsigned, a negative int32 is >= 2**31 > any bound: one comparison per field (this runs
-    # every step, cache-cold after the model's weights went through; 8 reductions cost ~120 us).
+    # every step, cache-cold after the model's weights went through: docs/perf-notes.md).
     checks = (("tokens", x.tokens, vocab), ("slots", x.slots, num_blocks * block_size),
               ("block_tables", x.block_tables, num_blocks), ("positions", x.positions, max_model_len),
               ("n_logprobs", v.sampling.n_logprobs, MAX_TOP_LOGPROBS + 1), ("feed", x.feed, 2),

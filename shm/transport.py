@@ -80,6 +80,26 @@ class Liveness:
         self.monitor.close(0)
 
 
+def _arenas(spec: ArenaSpec, tag: str, local: bool, lead: "AgentClient | None") -> tuple[Segment | None, list[Arena]]:
+    """The client's shared-memory segment (local agents only: a tcp agent's arena is private, its
+    tensors go as frames) and arena slots; a tensor-parallel rank > 0 shares its lead's."""
+    if lead is not None:
+        return lead.segment, lead.arenas
+    segment = Segment(segment_name(tag), spec.size, create=True) if local else None
+    return segment, Arena.slots(spec, segment.buf if segment else None)
+
+
+def _dealer(tag: str, curve: KeyFolder | None) -> zmq.Socket:
+    """The client's socket, with a fixed routing id: the agent binds its attachment to it, and it
+    survives tcp reconnects. `curve`: keys for a tcp agent."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, f"{os.getpid()}-{tag}".encode())
+    if curve is not None:
+        curve.client(sock)
+    return sock
+
+
 class AgentClient:
     """Server-side handle of one agent (an AgentLink, shm/link.py). Not thread-safe: one engine
     thread owns it."""
@@ -92,20 +112,11 @@ class AgentClient:
         tensor-parallel rank > 0: shm/group.py)."""
         self.address, self.spec = address, spec
         self.local = address.startswith("ipc://")
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # A fixed routing id: the agent binds its attachment to it, and it survives tcp reconnects.
-        self.sock.setsockopt(zmq.ROUTING_ID, f"{os.getpid()}-{tag}".encode())
-        if curve is not None and not self.local:
-            curve.client(self.sock)
+        self.sock = _dealer(tag, None if self.local else curve)
         self.liveness = Liveness(self.sock, address)
         self.sock.connect(address)
-        self.segment: Segment | None = None
         self.owns_segment = lead is None
-        if self.local:
-            self.segment = lead.segment if lead else Segment(segment_name(tag), spec.size, create=True)
-        self.arenas = lead.arenas if lead else Arena.slots(spec, self.segment.buf if self.segment else None)
+        self.segment, self.arenas = _arenas(spec, tag, self.local, lead)
         self.pid = pid
         self.info: AgentInfo | None = None  # from the handshake
         self._msg_id = 0
@@ -179,11 +190,10 @@ class AgentClient:
 
     def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None,
                   grammars: list[list[Any]] | None = None) -> None:
-        """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step`
-        returns this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is
-        fed by the agent's own last sample (`a`). Up to one step per slot may be in flight; `tag`
-        (not None) is kept with it until its reply (`steps()`). `grammars`: the constrained
-        sequences this step (re)admits (shm/protocol.py)."""
+        """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step` returns
+        this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is fed (`a`).
+        One step per slot may be in flight; `tag` (not None) is kept with it until its reply (`steps()`);
+        `grammars`: the constrained sequences this step (re)admits (shm/protocol.py)."""
         frames = None if self.local else self.arenas[slot].input_frames(dims)
         header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free,
                   "n_scored": dims.n_scored}

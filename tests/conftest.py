@@ -29,10 +29,10 @@ TINY = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def tiny_model_config():
-    from agent.model import LlamaConfig
+    from agent.model_config import ModelConfig
 
     c = TINY
-    return LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+    return ModelConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
                        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
                        rms_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],

@@ -32,7 +32,7 @@ def random_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
 
 def reference_logits(cfg, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
     """Logits [len(tokens), vocab] for every position of one sequence."""
-    from agent.model import rope_inv_freq  # the frequency formula is config math, shared on purpose
+    from agent.model_config import rope_inv_freq  # the frequency formula is config math, shared on purpose
 
     f = {k: v.astype(np.float64) for k, v in w.items()}
     n, hd, h, kv = len(tokens), cfg.head_dim, cfg.num_heads, cfg.num_kv_heads

@@ -29,7 +29,7 @@ class NumpyLlama:
     """Eager fp32 NumPy forward with a dense per-sequence KV cache: the baseline."""
 
     def __init__(self, cfg, w: dict[str, np.ndarray], batch: int, max_len: int):
-        from agent.model import rope_tables
+        from agent.model_config import rope_tables
 
         self.cfg = cfg
         self.cos, self.sin = rope_tables(cfg)
@@ -128,7 +128,7 @@ class TorchLlama:
 
 def measure(fns: dict[str, Callable[[], object]], repeat: int, rounds: int) -> dict[str, float]:
     """Median seconds per call of each system, timed in interleaved rounds: this VM's speed drifts
-    by 10-20% over seconds, so back-to-back blocks per system would compare different machines."""
+    over seconds, so back-to-back blocks per system would compare different machines."""
     for fn in fns.values():
         fn()  # warm (compiles the graph for this shape)
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -145,11 +145,11 @@ class Bench:
     """The runners of each dtype variant over one model, the steps they time and the report."""
 
     def __init__(self, args: argparse.Namespace):
-        from agent.calibrate import CALIBRATION_TEXT
+        from agent.model.calibrate import CALIBRATION_TEXT
         from agent.graph_call import setup_mindspore
         from agent.runner import ModelRunner
         from agent.runner_config import RunnerConfig
-        from agent.weights import load_model
+        from agent.weights.load import load_model
         from common.model_files import resolve_model
         from common.tokenizer import load_tokenizer
         from server.sampling_params import SamplingParams
@@ -198,9 +198,8 @@ class Bench:
 
     def fill_cache(self, runner: Any, rows: int) -> None:
         """Write every decode row's context into the KV cache (prefill steps, `--prefill` tokens at a
-        time). Untouched, the cache's pages are all the kernel's one zero page, always in cache: a
-        64-row step at 192 keys then measured 64-75 ms against 94-98 ms with a written cache (the
-        serving case: the attention reads the cache from DRAM; Zen 4)."""
+        time). Untouched, the cache's pages are all the kernel's one zero page, always in cache, and a
+        many-row step measured far faster than served (where attention reads the cache from DRAM)."""
         ctx, chunk = self.args.context, self.args.prefill
         for i in range(rows):
             for s0 in range(0, ctx, chunk):
@@ -239,9 +238,8 @@ class Bench:
     def streaming_limit(self) -> None:
         """A one-row decode step reads every weight once: memory bandwidth bounds it. Timed again
         without the NumPy baseline between calls (OpenBLAS's threads keep spinning on both cores
-        after its calls: B=1 int8 measured 16.8 ms interleaved, 12.5-14 ms alone), with the read
-        bandwidth measured in every round next to that round's steps (it drifts 20-25 GB/s between
-        runs minutes apart, Zen 3): each round gives a ratio."""
+        after its calls), with the read bandwidth measured in every round next to that round's steps
+        (it drifts between runs minutes apart): each round gives a ratio."""
         cores, rounds = len(os.sched_getaffinity(0)), self.args.rounds
         fns = {v: self.decode(r, 1) for v, r in self.runners.items()}
         bws, alone = [], {v: [] for v in self.runners}

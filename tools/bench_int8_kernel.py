@@ -12,8 +12,8 @@ Each time is the 10th percentile of --calls calls: on a shared VM a run's speed 
 and the fast calls show what the code does. Weights stay in cache between calls (a decode step
 streams them from memory: tools/bench_agent.py measures that). The grouped int8 weights start on a
 cache line, as the agent places them (agent.kernels.line_aligned), or --offset bytes past one: 16 or
-32 bytes past one (where malloc and MindSpore's own Parameters start) made a call 1.09-1.29x slower
-on a Zen 4 (every other 32-byte load spans two lines).
+32 bytes past one (where malloc and MindSpore's own Parameters start) made a call slower
+(docs/perf-notes.md: every other 32-byte load spans two lines).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class Weights:
 
     def __init__(self, w: np.ndarray, group: int, offset: int):
         from agent.kernels import CACHE_LINE, line_aligned, pack_int8_channel
-        from agent.quant import CHANNEL, bf16_bits, quantize
+        from agent.model.quant import CHANNEL, bf16_bits, quantize
 
         n, k = w.shape
         self.rows, self.wt = quantize(w, group), np.ascontiguousarray(w.T)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])
 
     from agent.kernels import _dnnl_flags, kernel_paths
-    from agent.quant import CHANNEL
+    from agent.model.quant import CHANNEL
     from common.cpu import describe
 
     found = kernel_library()

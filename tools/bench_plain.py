@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import numpy as np
 
-import agent.attention
+import agent.model.attention
 from agent.graph_call import setup_mindspore
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
-from agent.weights import load_model
+from agent.weights.load import load_model
 from common.config import load_config
 from common.model_files import resolve_model
 
@@ -36,10 +36,10 @@ def main() -> None:
     ap.add_argument("--config", default="configs/smollm2.yaml")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
-    ap.add_argument("--gather-bytes", type=int, default=agent.attention.GATHER_BYTES)
+    ap.add_argument("--gather-bytes", type=int, default=agent.model.attention.GATHER_BYTES)
     ap.add_argument("--run", action="store_true", help="run every graph once after building it")
     args = ap.parse_args()
-    agent.attention.GATHER_BYTES = args.gather_bytes
+    agent.model.attention.GATHER_BYTES = args.gather_bytes
     cfg = load_config(args.config, model_path=args.model, model_dtype=args.dtype)
     model_cfg, weights = load_model(resolve_model(cfg.model_path), cfg.max_model_len)
     setup_mindspore()

@@ -91,7 +91,7 @@ def step_cost(rows: int, context: int, steps: int, rounds: int) -> None:
     from agent.grammar import Grammars
     from agent.runner import ModelRunner
     from agent.runner_config import RunnerConfig
-    from agent.weights import load_model
+    from agent.weights.load import load_model
     from common import grammar
     from common.cpu import describe
     from common.model_files import resolve_model

@@ -143,7 +143,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from agent.runner_config import RunnerConfig
     from agent.graph_call import setup_mindspore
     from agent.tensor_parallel import Group, slot_floats
-    from agent.weights import load_model
+    from agent.weights.load import load_model
     from common.model_files import resolve_model
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -170,7 +170,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run_size(args: argparse.Namespace, size: int) -> dict:
-    from agent.model import LlamaConfig  # noqa: F401  (mindspore before protobuf users)
+    from agent.model_config import ModelConfig  # noqa: F401  (mindspore before protobuf users)
     from agent.tensor_parallel import SEGMENT_DIR, create_segment, slot_floats
     from common.memory import model_shape
     from common.model_files import resolve_model

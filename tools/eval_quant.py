@@ -4,9 +4,8 @@ fixed prompt set. Runs our real runner (MindSpore graphs, native kernels) in thi
 
 The corpus is ~5000 tokens, read in windows of WINDOW tokens. The table gives each dtype's
 perplexity change with its standard error (of the mean per-token log-likelihood change, paired with
-float32 on the same tokens): on the 533 tokens the corpus had before, that error was 0.3-0.37 points,
-and SmolLM2 int8 read anywhere from +0.39% to +1.34% as kernels changed the rounding of single
-activations; the same weights over 7639 tokens of other text gave +0.32% (Zen 4).
+float32 on the same tokens): on the shorter corpus it had before, that error was as large as the
+changes measured, which then moved with the rounding of single activations (docs/perf-notes.md).
 
     python -m tools.eval_quant [--model smollm2] [--dtype int8] [--tokens 16] [--groups 64,0] [--kv auto,int8]
                                [--llama-cpp .peers/llamacpp/bin/llama-server --gguf-dir .peers/models/smollm2]
@@ -47,11 +46,11 @@ GREEDY_BLOCKS = 4  # KV blocks per greedy prompt: its tokens and the continuatio
 
 
 def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 32, group: int = QUANT_GROUP_SIZE, kv: str = "auto"):
-    from agent.calibrate import CALIBRATION_TEXT
+    from agent.model.calibrate import CALIBRATION_TEXT
     from agent.runner import ModelRunner
     from agent.runner_config import RunnerConfig
     from agent.graph_call import setup_mindspore
-    from agent.weights import load_model
+    from agent.weights.load import load_model
     from common.model_files import resolve_model
     from common.tokenizer import load_tokenizer
 
@@ -155,9 +154,8 @@ def standard_error(base: list[float], other: list[float]) -> float:
 
 def top1_agreement(a: list[int], b: list[int]) -> float:
     """Share of corpus positions where two models pick the same top token (teacher-forced). One
-    sample per position (~5000 on the shipped corpus), where `agreement` has one per prompt (24):
-    SmolLM2 int8's 4-token agreement moved between 75% and 92% with the order of one float sum
-    (an AVX-512 against an AVX2 build, same weights), its top-1 agreement by ~1 point."""
+    sample per position (~5000 on the shipped corpus), where `agreement` has one per prompt (24), and
+    moved far more than this with the order of one float sum between builds (docs/perf-notes.md)."""
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from agent.model import LlamaConfig, rope_inv_freq
-from agent.lazy_weights import LazyWeights, Weights
-from agent.weights import load_model
+from agent.model_config import ModelConfig, Weights, rope_inv_freq
+from agent.weights.gguf import ARCHITECTURES
+from agent.weights.lazy import LazyWeights
+from agent.weights.load import load_model
 from common.model_files import resolve_model
 
 # Named shapes (SmolLM2's vocabulary): TinyLlama-1.1B and llama2-7B.
@@ -34,7 +35,7 @@ SHAPES = {"llama-1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, interme
           "llama-7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008)}
 
 
-def random_llama(cfg: LlamaConfig, seed: int = 0) -> LazyWeights:
+def random_llama(cfg: ModelConfig, seed: int = 0) -> LazyWeights:
     """Scaled-normal weights (std 0.02, unit norm gains): random, but with sane activations. Each
     tensor is generated when read, from its own seed: the same values every time, none held."""
     d, hd = cfg.hidden_size, cfg.head_dim
@@ -95,12 +96,12 @@ def write_safetensors(path: Path, w: Weights, names: list[str], dtype: str = "fl
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's convert-time Q/K row order (interleaved rope); agent.weights undoes it."""
+    """llama.cpp's convert-time Q/K row order (interleaved rope); agent.weights.load undoes it."""
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtype: str = "float32") -> None:
+def write_hf(out: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, dtype: str = "float32") -> None:
     from common.tokenizer import load_tokenizer
     from common.model_files import ModelFiles
 
@@ -129,14 +130,16 @@ def write_hf(out: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtyp
         "add_bos_token": tok.add_bos, "chat_template": tok.chat_template}, indent=1))
 
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+# Our family -> the GGUF architecture that holds it: the loader's map inverted, and Mistral written as
+# llama with its sliding window (as llama.cpp's converter does).
+GGUF_ARCH = {family: arch for arch, family in ARCHITECTURES.items()} | {"mistral": "llama"}
 
 
-def _gemma3_keys(writer: Any, cfg: LlamaConfig) -> None:
+def _gemma3_keys(writer: Any, cfg: ModelConfig) -> None:
     """Gemma 3's sliding layers as llama.cpp reads them: one window, which layers slide (written only
     where they differ from llama.cpp's fixed every-6th-global), rope base 10000 on sliding layers and
     attention scale 1/sqrt(head_dim), which GGUF cannot state otherwise: refused."""
-    from agent.gguf_weights import GEMMA3_SLIDING_THETA, gemma3_sliding
+    from agent.weights.gguf import GEMMA3_SLIDING_THETA, gemma3_sliding
 
     if abs(cfg.scale - cfg.head_dim ** -0.5) > 1e-9 * cfg.scale:
         raise ValueError(f"query_pre_attn_scalar {cfg.scale ** -2:g} != head_dim {cfg.head_dim}: a gemma3 GGUF "
@@ -157,13 +160,15 @@ def _gemma3_keys(writer: Any, cfg: LlamaConfig) -> None:
         writer.add_sliding_window_pattern(sliding)
 
 
-def write_gguf(path: Path, cfg: LlamaConfig, w: Weights, tokenizer_gguf: Path, dtype: str) -> None:
+def write_gguf(path: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, dtype: str) -> None:
     """A GGUF of the model's architecture (llama for Llama and Mistral, qwen2, qwen3, gemma3: f32, f16 or
     q8_0 matrices; norms and biases stay f32, as llama.cpp's converter does), tensors named by the
     gguf package's own map (llama.cpp's), with the tokenizer fields copied from `tokenizer_gguf`."""
     import gguf
 
-    arch = GGUF_ARCH[cfg.family]
+    arch = GGUF_ARCH.get(cfg.family.name)
+    if arch is None:
+        raise SystemExit(f"no GGUF architecture holds {cfg.family.name} (written: {', '.join(GGUF_ARCH)})")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(path.stem)
     writer.add_context_length(cfg.max_position)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if args.random:
         base, _ = load_model(resolve_model("smollm2"))
-        cfg = LlamaConfig(vocab_size=base.vocab_size, hidden_size=args.hidden,
+        cfg = ModelConfig(vocab_size=base.vocab_size, hidden_size=args.hidden,
                           intermediate_size=args.intermediate, num_layers=args.layers, num_heads=args.heads,
                           num_kv_heads=args.kv_heads, rms_eps=1e-5, rope_theta=10000.0,
                           tie_word_embeddings=True, max_position=args.max_position,

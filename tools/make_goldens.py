@@ -54,6 +54,10 @@ FAMILIES = {
                                                     "full_attention"]),
                        {"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
+    # Mistral's layer with sliding and full layers by layer_types: a family that is only flags
+    "ministral": ("MinistralConfig", dict(head_dim=16, sliding_window=8,
+                                          layer_types=["sliding_attention", "full_attention"]),
+                  dict(rope_type="default", rope_theta=1000000.0)),
 }
 
 

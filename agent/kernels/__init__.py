@@ -51,14 +51,13 @@ HUGE_MIN_BYTES = 8 * HUGE_PAGE
 def line_aligned(shape: tuple[int, ...], dtype: object) -> np.ndarray:
     """Zeros (lazily: pages are touched on first write) starting on a cache line: the kernels'
     weight rows are multiples of 64 bytes, and 16 bytes past a line (where malloc, and MindSpore's
-    Parameter copy, start) every other 32-byte load of a row spans two lines: LinearInt8 ran
-    1.09-1.29x slower so (Zen 4, one core).
+    Parameter copy, start) every other 32-byte load of a row spans two lines, and the kernels ran
+    slower so (docs/perf-notes.md).
 
     Large arrays start on a 2 MiB boundary of their own private mapping, advised MADV_HUGEPAGE:
     where transparent huge pages are 'madvise' (the common default) or 'always', a decode step's
     weight stream then crosses a page (a TLB miss, and the hardware prefetcher stops) every 2 MiB,
-    not every 4 KiB. int8 weights of 60 layers from DRAM, same process, alternating (Zen 4, 2
-    threads): 1.06-1.11x at one token, 1.02-1.06x at 4-64. LLM_SERVING_HUGE_PAGES=0 turns it off."""
+    not every 4 KiB (docs/perf-notes.md). LLM_SERVING_HUGE_PAGES=0 turns it off."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if nbytes >= HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("LLM_SERVING_HUGE_PAGES") != "0":
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -173,7 +172,7 @@ def _paths(cdll: ctypes.CDLL, dtype: str, int8_group: int) -> str:
         fn.restype = ctypes.c_char_p
         return fn().decode()
 
-    if dtype == "int8" and int8_group == -1:  # the down projection keeps groups (agent.projections.kind_group)
+    if dtype == "int8" and int8_group == -1:  # the down projection keeps groups (agent.model.fusion.kind_group)
         return f"{path('Int8ChannelKernelPath')}; down projection in groups: {path('Int8KernelPath')}"
     return path({"int8": "Int8KernelPath", "bfloat16": "Bf16KernelPath", "float16": "F16KernelPath",
                  "float32": "F32KernelPath"}[dtype])

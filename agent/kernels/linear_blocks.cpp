@@ -1,5 +1,5 @@
 // y = x @ w for the decoder's float projections, weights in column blocks of NB = 64: w [N/NB, K, NB]
-// (agent/layers.py writes them), so one block is a contiguous [K, NB] matrix: the hand-written loop
+// (agent/model/linear.py writes them), so one block is a contiguous [K, NB] matrix: the hand-written loop
 // streams it front to back, and oneDNN reads it as one batch entry of a batched matmul. Weights are
 // fp32, or stay bfloat16 / float16 in memory (half the bytes: a decode step reads every weight once,
 // so up to twice as fast wherever memory bandwidth bounds it).

@@ -9,7 +9,7 @@
 // lane l of an accumulator then sums group l alone, and a block ends with one convert and one
 // fused multiply-add by the vector of its 8 (activation x weight) scales. Scaling every group in
 // its own instructions cost 25-45% of the multiply-adds' time at G = 64 (measured: prefill 0.86x
-// of fp32 against 1.16x with one scale per row). agent/quant.py writes weights in this order.
+// of fp32 against 1.16x with one scale per row). agent/model/quant.py writes weights in this order.
 //
 // Inner product of 32 int8 pairs, exact: AVX2 has no signed x signed byte multiply, so
 // vpmaddubsw(|x|, sign(w, x)) makes it unsigned x signed (|x|, |w| <= 127: a pair sums to at most

@@ -1,4 +1,4 @@
-// A decoder layer's prologue (agent/projections.layer_prologues), one float32 array: the Q|K|V bias
+// A decoder layer's prologue (agent/model/fusion.layer_prologues), one float32 array: the Q|K|V bias
 // [width] (zeros where the family has none), the q and k heads' RMSNorm gains [hd] each, the
 // scalars below, then (sandwich-norm families, Gemma 3) the gains of the RMSNorms on the attention's
 // and the MLP's outputs [hidden] each.

@@ -17,7 +17,7 @@ from typing import Any
 from common.config import ServingConfig
 from common.tokenizer import TextTokenizer
 from server.detok import IncrementalDetokenizer
-from server.engine.lane import AgentLane
+from server.engine.lane import AgentLane, lanes_stats
 from server.engine.messages import Abort, Add, AgentBack, Message, Wake
 from server.engine.metrics import Metrics
 from server.engine.output import OutputProcessor
@@ -42,9 +42,7 @@ class Engine:
         self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
         for lane in self.lanes:
             self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info.graph_compiles))
-        eos = set(tokenizer.eos_token_ids) | set(cfg.end_token)
-        for c in clients:
-            eos |= set(c.info.eos_token_ids)
+        eos = set(tokenizer.eos_token_ids).union(cfg.end_token, *(c.info.eos_token_ids for c in clients))
         log_file = open(cfg.request_log, "a", buffering=1) if cfg.request_log else None  # line-buffered JSONL
         self.out = OutputProcessor(tokenizer, eos, cfg.max_model_len, self.metrics, log_file)
         self.requests = Requests(cfg.max_queue, self.out, self.lanes)
@@ -63,9 +61,6 @@ class Engine:
         """Queue a request (raises QueueFull at max_queue)."""
         self.requests.admit()
         self.inbox.put(Add(req))
-
-    def retry_after_s(self) -> int:
-        return self.requests.retry_after_s()
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(Abort(request_id))
@@ -102,17 +97,10 @@ class Engine:
         return [lane.client.info.memory() for lane in self.lanes]
 
     def stats(self) -> dict[str, Any]:
-        running = sum(len(lane.sched.running) for lane in self.lanes)
-        waiting = sum(len(lane.sched.waiting) for lane in self.lanes) + self.inbox.qsize()
-        return {"running": running, "waiting": waiting, "agents_alive": sum(lane.live for lane in self.lanes),
-                "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in self.lanes], "steps": self.stepper.step_count,
-                "devices": [f"{lane.client.info.device}:{lane.client.info.device_id}" for lane in self.lanes],
-                "memory": self.memory(),
+        """/stats: the lanes' (lanes_stats), with requests still in the inbox counted as waiting."""
+        s = lanes_stats(self.lanes)
+        return {**s, "waiting": s["waiting"] + self.inbox.qsize(), "steps": self.stepper.step_count,
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
-
-    def chrome_trace(self) -> dict[str, Any]:
-        """Recent steps as a Chrome trace (chrome://tracing, Perfetto)."""
-        return self.stepper.trace.chrome()
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -121,7 +109,7 @@ class Engine:
                 # Sleep on the inbox only when nothing is in flight and no live agent has work (no
                 # busy-spin while all agents recover). A live lane with sequences always gets a
                 # non-empty plan (scheduler liveness). Sleeping after every step's reply cost
-                # IDLE_WAIT_S between steps: 200 ms gaps, a third of an all-at-once run.
+                # IDLE_WAIT_S between steps.
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
                 for lane in self.lanes:  # with overlap: step N+1 goes shortly before step N ends

@@ -10,13 +10,15 @@ import enum
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from common.config import ServingConfig
 from common.procs import Backoff, pid_alive
 from server.engine.pacing import StepPacer
-from server.scheduler import Planned, Scheduler, Sequence, StepPlan
+from server.scheduler import Scheduler, Sequence
+from server.step_plan import Planned, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
 from shm.messages import AgentInfo, StepReply
@@ -59,8 +61,7 @@ class AgentLane:
         self.index, self.client, self.cfg = index, client, cfg
         self.sched = Scheduler(cfg, pads_cost(client))
         self.state = LaneState.LIVE
-        # Steps in flight: two with overlap (the agent queues the second and starts it the moment
-        # it replies to the first), else one.
+        # Steps in flight: two with overlap (the agent starts the second as it replies to the first).
         self.depth = 2 if cfg.overlap_steps else 1
         self.pacer = StepPacer(cfg.token_buckets)  # when the second step goes (server/engine/pacing.py)
         self.sent_at = time.monotonic()  # when the command in flight (or the last one) was sent
@@ -195,3 +196,14 @@ class AgentLane:
         """Graphs the agent built since its last reply, of the `n` it has built (per process)."""
         delta, self.graph_compiles = max(0, n - self.graph_compiles), max(n, self.graph_compiles)
         return delta
+
+
+def lanes_stats(lanes: list[AgentLane]) -> dict[str, Any]:
+    """What the lanes hold: running and waiting sequences, live agents, each KV pool's use, each
+    agent's device and memory."""
+    return {"running": sum(len(lane.sched.running) for lane in lanes),
+            "waiting": sum(len(lane.sched.waiting) for lane in lanes),
+            "agents_alive": sum(lane.live for lane in lanes),
+            "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in lanes],
+            "devices": [f"{lane.client.info.device}:{lane.client.info.device_id}" for lane in lanes],
+            "memory": [lane.client.info.memory() for lane in lanes]}

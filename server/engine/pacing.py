@@ -9,8 +9,8 @@ server's plan-and-send time.
 """
 from __future__ import annotations
 
-LEAD_S = 0.010  # the send leads the due time by this: planning, arena write and send take ~3-6 ms
-EARLY = 0.15  # and by this share of the step: its time varies ~10% run to run on a shared 2-core host
+LEAD_S = 0.010  # the send leads the due time by this: planning, arena write and send take a few ms
+EARLY = 0.15  # and by this share of the step: its time varies run to run on a shared 2-core host
 WEIGHT = 0.25  # of the newest step in a bucket's running mean (follows a drifting host in a few steps)
 
 

@@ -14,7 +14,7 @@ from server.engine.requests import Requests
 from server.engine.supervisor import Supervisor
 from server.engine.trace import StepRecord, StepTrace
 from server.request import Status
-from server.scheduler import Planned
+from server.step_plan import Planned
 from shm import protocol as P
 from shm.step import ScoreOutputs, read_row, read_scores
 from shm.messages import StepReply

@@ -5,8 +5,9 @@ unless `--metrics-auth`. Keys are compared in constant time and never logged."""
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any, Awaitable, Callable
+
+from server.http.errors import send_error
 
 Message = dict[str, Any]
 OPEN_PATHS = ("/health",)
@@ -37,11 +38,5 @@ class ApiKeys:
         if scope["type"] != "http" or scope["path"] in self.open or self.allowed(scope.get("headers", [])):
             await self.app(scope, receive, send)
             return
-        message = "missing or wrong API key: send Authorization: Bearer <key>"
-        body = ({"error": {"message": message, "type": "authentication_error", "code": 401}}
-                if scope["path"].startswith("/v1/") else {"error": message, "error_type": "authentication_error"})
-        raw = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": raw})
+        await send_error(send, scope["path"], 401, "missing or wrong API key: send Authorization: Bearer <key>",
+                         "authentication_error", ((b"www-authenticate", b"Bearer"),))

@@ -3,7 +3,6 @@ operations) over a shared Frontend. Handlers only parse, tokenize and await engi
 engine runs in its own thread."""
 from __future__ import annotations
 
-from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +13,7 @@ from common.config import ServingConfig
 from server.http import openai, ops, original, tgi
 from server.http.api_keys import ApiKeys
 from server.http.body_limit import BodyLimit
+from server.http.errors import error_body
 from server.engine.engine import Engine
 from server.http.frontend import ApiError, Frontend
 from server.http.http10 import Http10Buffering
@@ -32,11 +32,8 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
-        if request.url.path.startswith("/v1/"):
-            body: dict[str, Any] = {"error": {"message": exc.message, "type": exc.kind, "code": exc.code}}
-        else:
-            body = {"error": exc.message, "error_type": exc.kind}
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(request.url.path, exc.message, exc.kind, exc.code), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: HttpRequest, exc: InvalidRequest) -> JSONResponse:

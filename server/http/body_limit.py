@@ -2,8 +2,9 @@
 Content-Length, or while a chunked upload streams in."""
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
+
+from server.http.errors import send_error
 
 Message = dict[str, Any]
 
@@ -45,13 +46,8 @@ class BodyLimit:
             await self._refuse(scope, send)
 
     async def _refuse(self, scope: dict[str, Any], send: Callable[[Message], Awaitable[None]]) -> None:
-        message = f"request body is larger than {self.max_bytes} bytes"
-        body = ({"error": {"message": message, "type": "payload_too_large", "code": 413}}
-                if scope["path"].startswith("/v1/") else {"error": message, "error_type": "payload_too_large"})
-        raw = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
-        await send({"type": "http.response.body", "body": raw})
+        await send_error(send, scope["path"], 413, f"request body is larger than {self.max_bytes} bytes",
+                         "payload_too_large")
 
 
 class BodyTooLarge(Exception):

@@ -93,7 +93,7 @@ class Frontend:
             self.engine.submit(req)
         except QueueFull as exc:
             raise ApiError(503, f"server overloaded: {exc}", "overloaded",
-                           {"Retry-After": str(self.engine.retry_after_s())}) from None
+                           {"Retry-After": str(self.engine.requests.retry_after_s())}) from None
         finished = False
 
         async def watch_disconnect() -> None:  # one watcher per request, not a timeout per token

@@ -107,52 +107,75 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
     return JSONResponse({**base, "choices": choices, "usage": _usage(len(ids), sum(len(r.tokens) for r in results))})
 
 
+class _ChoiceStream:
+    """One choice's events in a stream: its opening (the role, or the echo), the echo with the prompt's
+    logprobs at its first event, then its text and logprob deltas; with tools to call, a chat reply's
+    text is held to its end and goes as one `tool_calls` delta (index, id, name, the whole arguments),
+    or as content if it is no call."""
+
+    def __init__(self, index: int, f: Frontend, body: CompletionRequest | ChatRequest, head: dict[str, Any],
+                 echo: str, want_lp: bool, echo_lp: bool):
+        self.index, self.f, self.body, self.head, self.echo = index, f, body, head, echo
+        self.chat = isinstance(body, ChatRequest)
+        self.hold = self.chat and bool(body.callable_tools)
+        self.want_lp, self.echo_lp, self.echoed = want_lp, echo_lp, False
+        self.held: list[str] = []
+
+    def _event(self, **choice: Any) -> str:
+        return sse({**self.head, "choices": [{"index": self.index, **choice}]})
+
+    def opening(self) -> list[str]:
+        if self.chat:
+            return [self._event(delta={"role": "assistant", "content": ""}, finish_reason=None, logprobs=None)]
+        if self.echo and not self.echo_lp:
+            return [self._event(text=self.echo, finish_reason=None, logprobs=None)]
+        return []
+
+    def events(self, d: Delta, prompt_lp: list[PromptToken] | None) -> list[str]:
+        out = []
+        if self.echo_lp and not self.echoed:
+            self.echoed = True
+            lp = _logprobs(self.f, [], False, prompt_lp)
+            out.append(self._event(text=self.echo, finish_reason=None, logprobs=lp))
+        if self.hold:
+            return out + self._held(d)
+        toks = [d] if d.token_id is not None else []
+        if not d.text and not d.finish_reason and not (self.want_lp and toks):
+            return out
+        choice = {"finish_reason": _reason(d.finish_reason) if d.finish_reason else None,
+                  "logprobs": _logprobs(self.f, toks, self.chat) if self.want_lp and toks else None}
+        if self.chat:
+            choice["delta"] = {"content": d.text} if d.text else {}
+        else:
+            choice["text"] = d.text
+        return out + [self._event(**choice)]
+
+    def _held(self, d: Delta) -> list[str]:
+        self.held.append(d.text)
+        if not d.finish_reason:
+            return []
+        msg, reason = _message(self.body, "".join(self.held), d.finish_reason)
+        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]} \
+            if msg.get("tool_calls") else {"content": msg["content"]}
+        return [self._event(delta=delta, finish_reason=reason, logprobs=None)]
+
+
 async def _chunks(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest, ids: list[int],
                   plist: list[SamplingParams], head: dict[str, Any], echo: str) -> AsyncIterator[str]:
-    """The stream, choices interleaved by `index`. With tools to call, a chat reply's text is held
-    to its end: then it goes as one `tool_calls` delta (index, id, name, the whole arguments), or as
-    content if it is no call."""
-    chat, want_lp = isinstance(body, ChatRequest), plist[0].logprobs > 0
-    hold = chat and bool(body.callable_tools)
-    held: list[list[str]] = [[] for _ in plist]
-    n, echo_lp = 0, echo and plist[0].prompt_logprobs is not None  # with logprobs, echoed at the first event
-    for i in range(len(plist)):
-        if chat:
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None, "logprobs": None}]})
-        elif echo and not echo_lp:
-            yield sse({**head, "choices": [{"index": i, "text": echo, "finish_reason": None, "logprobs": None}]})
-    prompt_lp: list[PromptToken] | None = None
-    echoed: set[int] = set()
+    """The stream: each choice's events (_ChoiceStream) interleaved by `index`, then usage and [DONE]."""
+    echo_lp = bool(echo) and plist[0].prompt_logprobs is not None  # with logprobs, echoed at the first event
+    streams = [_ChoiceStream(i, f, body, head, echo, plist[0].logprobs > 0, echo_lp) for i in range(len(plist))]
+    for event in (e for s in streams for e in s.opening()):
+        yield event
+    prompt_lp, n = None, 0
     async for i, d in f.fan_out(http, ids, plist):
         if d.error:
             yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
             break
-        if echo_lp and i not in echoed:
-            prompt_lp = prompt_lp or d.prompt_logprobs  # the first choice's first event carries them
-            echoed.add(i)
-            yield sse({**head, "choices": [{"index": i, "text": echo, "finish_reason": None,
-                                            "logprobs": _logprobs(f, [], False, prompt_lp)}]})
+        prompt_lp = prompt_lp or d.prompt_logprobs  # the first choice's first event carries them
         n += d.token_id is not None
-        toks = [d] if d.token_id is not None else []
-        if hold:
-            held[i].append(d.text)
-            if not d.finish_reason:
-                continue
-            msg, reason = _message(body, "".join(held[i]), d.finish_reason)
-            delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]} \
-                if msg.get("tool_calls") else {"content": msg["content"]}
-            yield sse({**head, "choices": [{"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}]})
-            continue
-        if not d.text and not d.finish_reason and not (want_lp and toks):
-            continue
-        choice = {"index": i, "finish_reason": _reason(d.finish_reason) if d.finish_reason else None,
-                  "logprobs": _logprobs(f, toks, chat) if want_lp and toks else None}
-        if chat:
-            choice["delta"] = {"content": d.text} if d.text else {}
-        else:
-            choice["text"] = d.text
-        yield sse({**head, "choices": [choice]})
+        for event in streams[i].events(d, prompt_lp):
+            yield event
     if body.stream_options.include_usage:
         yield sse({**head, "choices": [], "usage": _usage(len(ids), n)})
     yield "data: [DONE]\n\n"

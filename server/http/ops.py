@@ -32,4 +32,4 @@ async def stats(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
 
 @router.get("/debug/trace")
 async def trace(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
-    return f.engine.chrome_trace()
+    return f.engine.stepper.trace.chrome()  # recent steps (chrome://tracing, Perfetto)

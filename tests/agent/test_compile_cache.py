@@ -60,3 +60,19 @@ def test_shapes_met_in_another_order_after_restart_stay_correct(tmp_path):
         assert again.keys() == first.keys()
         for key in first:
             np.testing.assert_allclose(again[key], first[key], atol=1e-5, err_msg=key)
+
+
+def test_an_edit_in_any_room_of_agent_changes_the_cache_folder(tmp_path):
+    """The cache folder is keyed by every Python file under agent/, its rooms included: a stale graph
+    of edited model code is never replayed."""
+    import shutil
+
+    from agent.graph_call import source_digest
+
+    tree = tmp_path / "agent"
+    shutil.copytree(ROOT / "agent", tree, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.cpp", "*.h"))
+    before = source_digest("key", tree)
+    assert source_digest("key", tree) == before and source_digest("other", tree) != before
+    decoder = tree / "model" / "decoder.py"
+    decoder.write_text(decoder.read_text() + "\n# an edit\n")
+    assert source_digest("key", tree) != before

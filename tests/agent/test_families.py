@@ -18,7 +18,7 @@ import pytest
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
-from agent.weights import load_model
+from agent.weights.load import load_model
 from common.config import QUANT_GROUP_SIZE
 from common.model_files import ModelFiles
 from server.sampling_params import SamplingParams
@@ -94,6 +94,18 @@ def compare(runner: ModelRunner, folder: str, dtype: str, bound: str = "") -> tu
 # transformers 4.x folders hold their 5.x twin's weights (same seed; tools/make_goldens.py) in the
 # older config layout: loaded alike, they run the same model, so the forward runs on the 5.x ones.
 TF4 = [f for f in FOLDERS if f.endswith("-tf4")]
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_the_numpy_decoder_matches_transformers(folder):
+    """agent/model/numpy_decoder.py, the decoder as one readable NumPy file, in float64: transformers'
+    float32 logits at every position within 1e-5 of the largest."""
+    from agent.model.numpy_decoder import NumpyDecoder
+
+    cfg, weights = load_model(ModelFiles("hf", FIXTURES / folder), max_position=MAX_LEN)
+    decoder = NumpyDecoder(cfg, weights)
+    for ids, want in golden(folder):
+        assert np.abs(decoder.forward(list(ids)) - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("folder", [f for f in FOLDERS if f not in TF4])
@@ -216,14 +228,14 @@ def _edited(tmp_path: Path, folder: str, extra_tensors: dict | None = None, **co
      "rope_parameters per layer type"),
 ])
 def test_what_would_be_served_wrong_is_refused_by_name(tmp_path, folder, edit, message):
-    from agent.families import UnsupportedModel
+    from agent.weights.families import UnsupportedModel
 
     with pytest.raises(UnsupportedModel, match=message):
         load_model(_edited(tmp_path, folder, **edit), max_position=MAX_LEN)
 
 
 def test_a_tensor_nothing_reads_is_refused_by_name(tmp_path):
-    from agent.families import UnsupportedModel
+    from agent.weights.families import UnsupportedModel
 
     extra = {"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}
     with pytest.raises(UnsupportedModel, match="tensors no qwen2 layer reads .*o_proj.bias"):
@@ -238,7 +250,7 @@ def test_a_tensor_nothing_reads_is_refused_by_name(tmp_path):
 def test_an_unsupported_gguf_architecture_is_refused_by_name(tmp_path, byte_tokenizer_gguf):
     import gguf
 
-    from agent.families import UnsupportedModel
+    from agent.weights.families import UnsupportedModel
 
     path = tmp_path / "phi.gguf"
     writer = gguf.GGUFWriter(str(path), "phi3")
@@ -256,7 +268,7 @@ def test_an_unsupported_gguf_architecture_is_refused_by_name(tmp_path, byte_toke
 def test_sliding_windows_read_from_either_layout():
     """5.x lists layer_types; 4.x Mistral slides every layer, 4.x Qwen2 from max_window_layers on
     when use_sliding_window, and a null window is no window."""
-    from agent.families import _layer_windows
+    from agent.weights.families import _layer_windows
 
     base = dict(num_hidden_layers=3, sliding_window=8)
     assert _layer_windows(dict(base, layer_types=["sliding_attention", "full_attention", "sliding_attention"])) \
@@ -271,7 +283,7 @@ def test_sliding_windows_read_from_either_layout():
 
 def test_a_gemma3_gguf_reads_which_layers_slide():
     """llama.cpp fixes gemma3's pattern (every 6th layer global) unless the file lists the layers."""
-    from agent.gguf_weights import gemma3_sliding
+    from agent.weights.gguf import gemma3_sliding
 
     assert gemma3_sliding(None, 7) == [True] * 5 + [False, True]
     assert gemma3_sliding(3, 3) == [True, True, False]

@@ -1,5 +1,5 @@
 """Weight blocks in fp32, bfloat16 and float16 (agent/kernels/linear_blocks.cpp through
-agent.layers.F32Linear / Bf16Linear / F16Linear) and 16-bit KV
+agent.model.linear.F32Linear / Bf16Linear / F16Linear) and 16-bit KV
 caches (kv_cache_dtype; agent/kernels/paged_attention.cpp reads them): every kernel path of this
 CPU's build against float64 NumPy on the same bf16 values (the paths of the kinds below this CPU:
 tools/test.sh runs this file again under LLM_SERVING_MAX_ISA); the tiny model against the float64
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from agent import kernels
-from agent.quant import bf16_bits
-from agent.linear import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear
+from agent.model.quant import bf16_bits
+from agent.model.linear import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear
 from common.cpu import cpu_flags
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
@@ -143,7 +143,7 @@ def test_float16_cache_saturates_instead_of_overflowing():
 
 
 def test_16_bit_kv_without_native_kernels_is_refused_clearly():
-    from agent.backend import Backend
+    from agent.model.backend import Backend
 
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs the native kernels"):
         Backend("float32", None, "bfloat16")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from agent import kernels as native
-from agent.quant import CHANNEL, LANES, Int8Rows, group_for, quantize
+from agent.model.quant import CHANNEL, LANES, Int8Rows, group_for, quantize
 from agent.graph_call import setup_mindspore
 from tests.helpers import channel_refused_here
 
@@ -146,7 +146,7 @@ _ISA_CHILD = """
 import ctypes, sys
 import numpy as np
 from agent import kernels
-from agent.quant import CHANNEL, quantize
+from agent.model.quant import CHANNEL, quantize
 from tests.agent.test_int8 import _call, channel_want, integer_tokens
 lib = ctypes.CDLL(kernels.library())
 lib.Int8ChannelKernelPath.restype = ctypes.c_char_p
@@ -199,12 +199,12 @@ def test_channel_path_is_exact_on_every_isa_this_cpu_has(cap, needs, impl):
 def test_q8_0_gguf_loads_as_stored(tmp_path):
     """Q8_0 tensors reach the model as their own int8 values and block scales (groups of 32), equal to
     the float loader's dequantisation; without int8 they load as float32."""
-    from agent.model import LlamaConfig
-    from agent.weights import load_model
+    from agent.model_config import ModelConfig
+    from agent.weights.load import load_model
     from common.model_files import ModelFiles, resolve_model
     from tools.export_model import random_llama, write_gguf
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
                       num_kv_heads=2, tie_word_embeddings=True, max_position=256, eos_token_ids=[2])
     w = random_llama(cfg, seed=2)
     path = tmp_path / "m-q8_0.gguf"
@@ -223,7 +223,7 @@ def test_q8_0_gguf_loads_as_stored(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_half_and_int8_without_native_kernels_are_refused_clearly(dtype):
-    from agent.backend import Backend
+    from agent.model.backend import Backend
 
     with pytest.raises(ValueError, match=f"model_dtype {dtype} needs the native kernels"):
         Backend(dtype, None)
@@ -239,12 +239,12 @@ def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model
     import sys
     import time
 
-    from agent.calibrate import CALIBRATION_TEXT
+    from agent.model.calibrate import CALIBRATION_TEXT
     from common.config import int8_group
     from common.cpu import cpu_flags
     from agent.runner import ModelRunner
     from agent.runner_config import RunnerConfig
-    from agent.weights import load_model
+    from agent.weights.load import load_model
     from common.model_files import ModelFiles
     from common.tokenizer import load_tokenizer
     from tests.helpers import ROOT, ServerProcess, tiny_config

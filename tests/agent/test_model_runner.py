@@ -211,12 +211,12 @@ def test_graph_set_is_two_graphs_per_large_token_bucket():
 
 
 def test_plain_path_chunked_attention_matches_reference(tiny_weights, monkeypatch):
-    """The plain-MindSpore path gathers each token's context in chunks of tokens (agent.attention
+    """The plain-MindSpore path gathers each token's context in chunks of tokens (agent.model.attention
     GATHER_BYTES); with chunks of 24 tokens (a 64-token step ends in a shorter chunk) the
     batched reference test still holds."""
-    import agent.attention
+    import agent.model.attention
 
-    monkeypatch.setattr(agent.attention, "GATHER_BYTES", 24 * 128 * 2 * 16 * 8)  # 24 tokens of 128 context
+    monkeypatch.setattr(agent.model.attention, "GATHER_BYTES", 24 * 128 * 2 * 16 * 8)  # 24 tokens of 128 context
     runner = make_runner(tiny_weights, 16, native=False)
     seqs, logits = PagedDriver(runner).run(PROMPTS, 4)
     cfg = tiny_model_config()
@@ -228,7 +228,7 @@ def test_plain_path_chunked_attention_matches_reference(tiny_weights, monkeypatc
 _PLAIN_4096 = """
 import sys
 import numpy as np
-import agent.attention
+import agent.model.attention
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
@@ -238,7 +238,7 @@ from tests.reference import random_weights
 def status(key):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":")) << 10
 
-agent.attention.GATHER_BYTES = int(sys.argv[1])
+agent.model.attention.GATHER_BYTES = int(sys.argv[1])
 setup_mindspore()
 cfg = tiny_model_config()
 rc = RunnerConfig(num_blocks=2 + 4096 // 16, block_size=16, max_model_len=4096, token_buckets=[512], max_running=1,
@@ -263,9 +263,9 @@ def test_plain_path_step_memory_is_bounded_at_4096_context():
     import subprocess
     import sys
 
-    import agent.attention
+    import agent.model.attention
 
-    out = subprocess.run([sys.executable, "-c", _PLAIN_4096, str(agent.attention.GATHER_BYTES)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _PLAIN_4096, str(agent.model.attention.GATHER_BYTES)], capture_output=True,
                          text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) < 480 << 20, out.stdout

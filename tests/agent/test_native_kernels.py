@@ -129,7 +129,7 @@ def test_linear_matches_numpy_also_when_two_run_at_once(m, k, n):
     x = rng.standard_normal((m, k), dtype=np.float32)
     w1 = rng.standard_normal((k, n), dtype=np.float32)
     w2 = rng.standard_normal((k, n), dtype=np.float32)
-    from agent.linear import F32Linear
+    from agent.model.linear import F32Linear
 
     (b1,), (b2,) = F32Linear.stored(w1.T), F32Linear.stored(w2.T)  # [out, in] -> 64-column blocks
     y1, y2 = TwoLinears(b1, b2)(Tensor(x))

@@ -13,7 +13,7 @@ def smollm2():
     from agent.runner import ModelRunner
     from agent.runner_config import RunnerConfig
     from agent.graph_call import setup_mindspore
-    from agent.weights import load_model
+    from agent.weights.load import load_model
 
     setup_mindspore()
     files = resolve_model("smollm2")

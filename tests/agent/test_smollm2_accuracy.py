@@ -5,7 +5,7 @@ test_half_precision.py check against exact arithmetic and float64. Run once, on 
 (the LLM_SERVING_MAX_ISA pass of tools/test.sh runs the kernels, not these)."""
 from __future__ import annotations
 
-from agent.quant import CHANNEL
+from agent.model.quant import CHANNEL
 from tests.helpers import channel_refused_here
 
 

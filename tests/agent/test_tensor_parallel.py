@@ -39,7 +39,7 @@ if model == "tiny":
     cfg = tiny_model_config()
     weights = random_weights(cfg, seed=0)
 else:
-    from agent.weights import load_model
+    from agent.weights.load import load_model
     from common.model_files import resolve_model
     cfg, weights = load_model(resolve_model(model), max_position=128)
 buckets = PLAIN_BUCKETS  # a bucket that holds every step RankDriver runs: fewer graphs to build per rank

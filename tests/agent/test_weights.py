@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from agent.quant import bf16_bits
-from agent.gguf_weights import _unpermute
-from agent.weights import load_model, read_safetensors
+from agent.model.quant import bf16_bits
+from agent.weights.gguf import _unpermute
+from agent.weights.load import load_model, read_safetensors
 from common.model_files import ModelFiles
 from tests.conftest import TINY
 from tests.helpers import ROOT, save_mindformers
@@ -25,7 +25,7 @@ def test_mindformers_checkpoint_loads_by_name_mapping(tmp_path, tiny_weights):
 
 def test_a_mindformers_tensor_nothing_reads_is_refused_by_name(tmp_path, tiny_weights):
     """A bias (or any parameter) MindFormers names and no layer here reads: refused, not skipped."""
-    from agent.families import UnsupportedModel
+    from agent.weights.families import UnsupportedModel
     from tests.helpers import save_mindformers
 
     for name, shown in (("model.layers.0.attention.wq.bias", "model.layers.0.self_attn.q_proj.bias"),
@@ -61,12 +61,12 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
 def test_export_round_trips_through_our_loaders(tmp_path):
     """tools/export_model.py writes what peers load (HF folder, GGUF f32/f16); reading them back
     gives the same weights and config, so a peer comparison runs one model everywhere."""
-    from agent.model import LlamaConfig
+    from agent.model_config import ModelConfig
     from common.model_files import resolve_model
     from common.tokenizer import load_tokenizer
     from tools.export_model import random_llama, write_gguf, write_hf
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                       num_kv_heads=2, tie_word_embeddings=True, max_position=256, eos_token_ids=[2])
     w = random_llama(cfg, seed=1)
     tok_src = resolve_model("smollm2").path
@@ -98,7 +98,7 @@ def test_mindformers_base_config_chains_resolve_without_the_extra(tmp_path):
     import pytest
     import yaml
 
-    from agent.weights import mindformers_model_config
+    from agent.weights.load import mindformers_model_config
     from common.model_files import mindformers_yaml, resolve_model
 
     ckpt = tmp_path / "llama.ckpt"
@@ -133,7 +133,7 @@ import mindspore  # noqa: F401  (its runtime is part of the final RSS, not of lo
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
-from agent.weights import load_model
+from agent.weights.load import load_model
 from common.model_files import ModelFiles
 
 def status(key):  # kB; VmHWM, unlike ru_maxrss, does not carry the forking parent's peak over exec
@@ -157,11 +157,11 @@ def test_loading_streams_tensor_by_tensor(tmp_path, kind, dtype):
     import subprocess
     import sys
 
-    from agent.model import LlamaConfig
+    from agent.model_config import ModelConfig
     from common.model_files import resolve_model
     from tools.export_model import random_llama, write_gguf, write_hf
 
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=16, num_heads=8,
+    cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=16, num_heads=8,
                       num_kv_heads=4, max_position=128, eos_token_ids=[2])
     w = random_llama(cfg, seed=1)  # ~200 MB as float32
     tok = resolve_model("smollm2").path

@@ -61,6 +61,26 @@ def test_no_import_climbs_a_layer():
     assert wrong == []
 
 
+ROOMS = {  # agent's rooms -> the agent modules they may import (their own room aside)
+    "agent.model_config": set(),  # at the bottom: every part of the model takes one
+    "agent.model": {"agent.model_config", "agent.kernels"},
+    "agent.weights": {"agent.model_config", "agent.model.quant"},
+}
+
+
+def test_agent_rooms_import_only_downwards():
+    """The model never reads files, the weights never build a model, the config needs neither."""
+    wrong = []
+    for room, allowed in ROOMS.items():
+        files = [(room, ROOT / "agent/model_config.py")] if room == "agent.model_config" \
+            else _modules(room.replace(".", "/"))
+        for _, path in files:
+            wrong += [f"{path.relative_to(ROOT)} imports {imp}" for imp in sorted(_imports(path))
+                      if imp.startswith("agent.") and not imp.startswith(room + ".")
+                      and not any(imp.startswith(a + ".") for a in allowed)]
+    assert wrong == []
+
+
 def test_the_layer_rules_see_subpackages():
     assert _unit("server.http.app") == "server.http" and _unit("server.scheduler") == "server"
     assert "server.engine.engine" in {n for n, _ in _modules("server")}

@@ -1,6 +1,6 @@
 """Backend: which kernels a model runs on, chosen once at load; it builds the decoder's parts
-(agent.layers' norms and collectives, agent.linear's projections, agent.attention's attention), so
-agent.model composes them and has no dtype branches."""
+(agent.model.norms' norms and collectives, agent.model.linear's projections, agent.model.attention's attention), so
+agent.model.decoder composes them and has no dtype branches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,12 +9,14 @@ from typing import Any, Iterator
 import numpy as np
 from mindspore import nn
 
-from agent.attention import NativeAttention, PlainAttention
+from agent.model.attention import NativeAttention, PlainAttention
 from agent.kernels import custom_ops
-from agent.layers import DTYPES, KV_DTYPES, Alone, CommCollectives, NativeNorms, PlainNorms, ShmCollectives
-from agent.linear import (BF16_BLOCK, LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights,
-                          PlainF16Linear, PlainLinear, Projection)
-from agent.projections import fp32_projections, int8_projections, lm_head
+from agent.model.params import DTYPES, KV_DTYPES
+from agent.model.collectives import Alone, CommCollectives, ShmCollectives
+from agent.model.norms import NativeNorms, PlainNorms
+from agent.model.linear import BF16_BLOCK, LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights, PlainF16Linear, PlainLinear, Projection
+from agent.model.fusion import fp32_projections, int8_projections, lm_head
+from agent.model_config import ModelConfig
 from common.config import QUANT_GROUP_SIZE
 
 PLAIN_DTYPES = ("float32", "float16")  # of weights and KV cache on the plain-MindSpore path (any device)
@@ -29,7 +31,7 @@ class Backend:
     lib: str | None = None
     kv_dtype: str = "float32"  # the KV cache's (KV_DTYPES); the plain path keeps float32 or float16
     int8_group: int = QUANT_GROUP_SIZE
-    ranges: dict[str, list[np.ndarray]] | None = None  # agent.calibrate's activation ranges (int8)
+    ranges: dict[str, list[np.ndarray]] | None = None  # agent.model.calibrate's activation ranges (int8)
     tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
 
     def __post_init__(self) -> None:
@@ -47,18 +49,18 @@ class Backend:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads "
                              "bfloat16 and int8 KV there); the plain-MindSpore path keeps float32 or float16")
 
-    def kernels(self, cfg: Any) -> dict[str, Any]:
+    def kernels(self, cfg: ModelConfig) -> dict[str, Any]:
         if self.lib is None:
             return {}
         return custom_ops(self.lib, self.tp_size)
 
-    def collectives(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
+    def collectives(self, cfg: ModelConfig, k: dict[str, Any]) -> nn.Cell:
         if self.tp_size == 1:
             return Alone()
         padded = self.head_width(cfg) * self.tp_size
         return ShmCollectives(k, cfg.vocab_size, padded) if self.lib else CommCollectives(self.tp_size, cfg.vocab_size, padded)
 
-    def one_op(self, cfg: Any) -> bool:
+    def one_op(self, cfg: ModelConfig) -> bool:
         """Whether one op runs every decoder layer (agent/kernels/decoder_stack.cpp), taking each
         kind's weights and the KV caches stacked. Not on the plain path, tensor parallel (partial
         sums are combined between a layer's parts) or float weights padded to whole blocks (the
@@ -68,25 +70,25 @@ class Backend:
         widths = self.widths(cfg)
         return self.dtype == "int8" or all(widths[n] % BF16_BLOCK == 0 for n in LAYER_KINDS)
 
-    def stack_op(self, cfg: Any, k: dict[str, Any]) -> Any:
+    def stack_op(self, cfg: ModelConfig, k: dict[str, Any]) -> Any:
         """The op that runs every decoder layer, or None where layers keep four ops (`one_op`)."""
         return k[self.projection_cls.stack_op_name] if self.one_op(cfg) else None
 
-    def widths(self, cfg: Any) -> dict[str, int]:
+    def widths(self, cfg: ModelConfig) -> dict[str, int]:
         """Output columns of each projection kind on this rank."""
         return {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, "o": cfg.hidden_size,
                 "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size, "head": self.head_width(cfg)}
 
-    def head_width(self, cfg: Any) -> int:
+    def head_width(self, cfg: ModelConfig) -> int:
         """This rank's share of the vocabulary (padded to equal shares)."""
         return -(-cfg.vocab_size // self.tp_size)
 
-    def norms(self, cfg: Any, k: dict[str, Any]) -> nn.Cell:
+    def norms(self, cfg: ModelConfig, k: dict[str, Any]) -> nn.Cell:
         if self.lib:
-            return NativeNorms(cfg.rms_eps, cfg.activation, k)
-        return PlainNorms(cfg.rms_eps, cfg.intermediate_size, cfg.activation)
+            return NativeNorms(cfg.rms_eps, cfg.family.activation, k)
+        return PlainNorms(cfg.rms_eps, cfg.intermediate_size, cfg.family.activation)
 
-    def attention(self, cfg: Any, block_size: int, k: dict[str, Any]) -> nn.Cell:
+    def attention(self, cfg: ModelConfig, block_size: int, k: dict[str, Any]) -> nn.Cell:
         return NativeAttention(cfg, block_size, k) if self.lib else PlainAttention(cfg, block_size, self.kv_dtype)
 
     @property
@@ -95,7 +97,7 @@ class Backend:
             return PlainF16Linear if self.dtype == "float16" else PlainLinear
         return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
 
-    def projections(self, cfg: Any, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
+    def projections(self, cfg: ModelConfig, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
                     k: dict[str, Any], embed: np.ndarray | None = None) -> dict[str, Projection]:
         """qkv, o, gate_up, down and head (from `embed` when tied and given), converted one layer at a
         time (a large model never holds a second full copy)."""
@@ -112,7 +114,7 @@ class Backend:
         widths = self.widths(cfg)
         return {name: cls(norms, lw.parameters(), k, widths[name]) for name, lw in kinds.items()}
 
-    def _prepared(self, cfg: Any, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
+    def _prepared(self, cfg: ModelConfig, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
         if self.dtype == "int8":
             return int8_projections(cfg, w, attn_scale, self.ranges, self.int8_group)
         return fp32_projections(cfg, w, attn_scale)

@@ -4,9 +4,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-Weights = Mapping[str, Any]  # float32 arrays; Int8Rows for Q8_0 projections loaded with int8=True
-
-
 class LazyWeights(Mapping):
     """Tensors by name, each read and converted when asked for (and again if asked again: nothing
     is cached, so a consumer's last reference frees it)."""

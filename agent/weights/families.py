@@ -6,28 +6,15 @@ reads."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from agent.model import LlamaConfig
+from agent.model_config import Family, ModelConfig
 
 
-@dataclass(frozen=True)
-class Family:
-    """What a family adds to the Llama decoder (RMSNorm, SwiGLU, rotate-half rope, GQA)."""
-    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
-    sandwich_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs too (Gemma 3)
-    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
-    norm_offset: float = 0.0  # added to every RMSNorm weight a Hugging Face file holds (Gemma: x * (1 + w))
-    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
-    tied_by_default: bool = False  # transformers' default `tie_word_embeddings` (a saved config omits defaults)
-
-
-GEMMA3 = Family(qk_norm=True, sandwich_norms=True, activation="gelu_tanh", norm_offset=1.0, embed_scale=True,
-                tied_by_default=True)
-FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm=True),
-            "gemma3_text": GEMMA3}
+GEMMA3 = Family("gemma3_text", qk_norm=True, sandwich_norms=True, activation="gelu_tanh", norm_offset=1.0,
+                embed_scale=True, tied_by_default=True)
+FAMILIES = {f.name: f for f in (Family("llama"), Family("mistral"), Family("ministral"), Family("qwen2", qkv_bias=True),
+                                 Family("qwen3", qk_norm=True), GEMMA3)}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 ROPE_TYPES = ("default", "linear", "llama3")
 # Fields whose non-default value changes the math in a way no family here implements.
@@ -42,15 +29,7 @@ class UnsupportedModel(ValueError):
     """A model, config value or tensor this agent would serve wrong: refused by name."""
 
 
-def family_fields(kind: str) -> dict[str, Any]:
-    """The config fields (LlamaConfig's) that say what family `kind` adds to the Llama layer (the norm
-    offset is applied to a Hugging Face file's weights as they are read: GGUF files hold it added)."""
-    fields = asdict(FAMILIES[kind])
-    del fields["norm_offset"], fields["tied_by_default"]
-    return dict(family=kind, **fields)
-
-
-def hf_config(c: dict[str, Any]) -> LlamaConfig:
+def hf_config(c: dict[str, Any]) -> ModelConfig:
     """Our config from a transformers config.json, either layout; refuses what it cannot serve."""
     kind = c.get("model_type", "llama")
     if kind not in FAMILIES:
@@ -68,14 +47,14 @@ def hf_config(c: dict[str, Any]) -> LlamaConfig:
     windows = _layer_windows(c)
     theta, scaling, sliding_theta = _rope(c, windows)
     eos = c.get("eos_token_id", 2)
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
         num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], head_dim=c.get("head_dim") or 0,
         rms_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=c.get("tie_word_embeddings", family.tied_by_default), max_position=c.get("max_position_embeddings", 4096),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=list(eos) if isinstance(eos, list) else [eos],
-        layer_windows=windows, sliding_rope_theta=sliding_theta, attn_scale=_attn_scale(c), **family_fields(kind))
+        layer_windows=windows, sliding_rope_theta=sliding_theta, attn_scale=_attn_scale(c), family=family)
 
 
 def _attn_scale(c: dict[str, Any]) -> float:
@@ -139,7 +118,7 @@ def _layer_windows(c: dict[str, Any]) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
-def expected_tensors(cfg: LlamaConfig) -> tuple[set[str], set[str]]:
+def expected_tensors(cfg: ModelConfig) -> tuple[set[str], set[str]]:
     """(the tensors the model reads, those it may find and ignore: the tied LM head, derived buffers)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -150,24 +129,24 @@ def expected_tensors(cfg: LlamaConfig) -> tuple[set[str], set[str]]:
         names |= {p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
                                                "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-        if cfg.sandwich_norms:
+        if cfg.family.sandwich_norms:
             names |= {p + n + ".weight" for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
-        if cfg.qkv_bias:
+        if cfg.family.qkv_bias:
             names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
-        if cfg.qk_norm:
+        if cfg.family.qk_norm:
             names |= {p + f"self_attn.{n}_norm.weight" for n in "qk"}
     return names, optional
 
 
-def check_tensors(cfg: LlamaConfig, found: Iterable[str], where: str) -> None:
+def check_tensors(cfg: ModelConfig, found: Iterable[str], where: str) -> None:
     """Every tensor the model needs is in the file and every tensor in the file is read."""
     need, optional = expected_tensors(cfg)
     found = {n for n in found if not n.endswith(_DERIVED)}
     missing, unread = sorted(need - found), sorted(found - need - optional)
     if missing:
-        raise UnsupportedModel(f"{where}: {cfg.family} needs tensors the file lacks: {_few(missing)}")
+        raise UnsupportedModel(f"{where}: {cfg.family.name} needs tensors the file lacks: {_few(missing)}")
     if unread:
-        raise UnsupportedModel(f"{where}: tensors no {cfg.family} layer reads (refused rather than ignored): "
+        raise UnsupportedModel(f"{where}: tensors no {cfg.family.name} layer reads (refused rather than ignored): "
                                f"{_few(unread)}")
 
 

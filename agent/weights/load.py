@@ -1,11 +1,11 @@
-"""Load a model's weights into Hugging Face names as float32 numpy arrays, plus its LlamaConfig.
+"""Load a model's weights into Hugging Face names as float32 numpy arrays, plus its ModelConfig.
 
 Safetensors and GGUF tensors are read lazily from memory-mapped files (`LazyWeights`): each is
 converted to float32 when the model asks for it and dropped once the model has its own copy in its
 final dtype, so loading never holds the whole model as float32 (llama2-7B: 27 GB) — peak memory is
 the final weights plus about one layer. With ``int8``, GGUF Q8_0 projection tensors come as
-agent.quant.Int8Rows, never as a float copy; everything else is float32 and the model converts it
-at build time. Hugging Face and GGUF files are checked against their family (agent.families): a
+agent.model.quant.Int8Rows, never as a float copy; everything else is float32 and the model converts it
+at build time. Hugging Face and GGUF files are checked against their family (agent.weights.families): a
 tensor nothing reads, or a config value nothing implements, is refused by name."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from agent.families import FAMILIES, check_tensors, hf_config
-from agent.gguf_weights import load_gguf
-from agent.lazy_weights import LazyWeights, Weights
-from agent.model import LlamaConfig
+from agent.weights.families import check_tensors, hf_config
+from agent.weights.gguf import load_gguf
+from agent.weights.lazy import LazyWeights
+from agent.model_config import ModelConfig, Weights
 from common.model_files import ModelFiles, mindformers_yaml
 
 _MF_LAYER = {
@@ -33,7 +33,7 @@ _MF_TOP = {"model.tok_embeddings.embedding_weight": "model.embed_tokens.weight",
            "model.norm_out.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
-def load_model(files: ModelFiles, max_position: int | None = None, int8: bool = False) -> tuple[LlamaConfig, Weights]:
+def load_model(files: ModelFiles, max_position: int | None = None, int8: bool = False) -> tuple[ModelConfig, Weights]:
     if files.kind == "gguf":
         cfg, weights = load_gguf(files, int8)
     else:
@@ -82,7 +82,7 @@ def _st_tensor(path: Path, base: int, info: dict) -> np.ndarray:
     return raw if raw.dtype == np.float32 else raw.astype(np.float32)
 
 
-def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
+def _load_hf(files: ModelFiles) -> tuple[ModelConfig, Weights]:
     cfg = hf_config(json.loads((files.path / "config.json").read_text()))
     weights = LazyWeights()
     shards = sorted(files.path.glob("*.safetensors"))
@@ -91,7 +91,7 @@ def _load_hf(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
     for shard in shards:
         weights.update(read_safetensors(shard))
     check_tensors(cfg, weights, files.path.name)
-    offset = FAMILIES[cfg.family].norm_offset  # Gemma's norms scale by (1 + w)
+    offset = cfg.family.norm_offset  # Gemma's norms scale by (1 + w)
     if offset:
         weights.transform(lambda name: name.endswith("norm.weight"), lambda a: a + np.float32(offset))
     return cfg, weights
@@ -113,7 +113,7 @@ def mindformers_model_config(path: Path) -> dict:
     return doc.get("model", {}).get("model_config", doc.get("model_config", doc))
 
 
-def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
+def _load_mindformers(files: ModelFiles) -> tuple[ModelConfig, Weights]:
     import mindspore as ms
 
     mc = mindformers_model_config(Path(files.cfg_path))
@@ -134,7 +134,7 @@ def _load_mindformers(files: ModelFiles) -> tuple[LlamaConfig, Weights]:
             ours = f"(mindformers) {name}"  # reported by check_tensors as unread
         weights.add(ours, lambda p=param: p.asnumpy().astype(np.float32), tuple(param.shape))
     intermediate = weights.shape("model.layers.0.mlp.gate_proj.weight")[0]
-    cfg = LlamaConfig(
+    cfg = ModelConfig(
         vocab_size=mc["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
         num_layers=mc["num_layers"], num_heads=heads, num_kv_heads=mc.get("n_kv_heads") or heads,
         rms_eps=mc.get("rms_norm_eps", 1e-5), rope_theta=mc.get("theta", 10000.0),

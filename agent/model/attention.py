@@ -6,7 +6,7 @@ sequence's context, ~8 kernels per layer, same result; tokens in chunks that bou
 Both take a step's `context(...)` once. Per layer, rope on the fused Q|K|V projection, its keys and
 values written into the layer's cache, attention over the cache: `PlainAttention.rope_attention`,
 or on the native path one op with the output projection after it, whose inputs
-`NativeAttention.inputs` lays out (agent.layers). Rope tables are the model's parameters, passed in
+`NativeAttention.inputs` lays out (agent.model.norms). Rope tables are the model's parameters, passed in
 through the context.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
+from agent.model_config import ModelConfig
 
 NEG_INF = -1e9  # finite, so fully masked padding rows give garbage instead of NaN
 # Bytes of gathered K and V one chunk of query tokens may hold in the plain path: tokens are taken
@@ -36,7 +37,7 @@ class NativeAttention(nn.Cell):
     (agent/kernels/paged_attention.cpp), in the op of the projection after them: no gathered K/V
     copy, mask or permutes."""
 
-    def __init__(self, cfg: Any, block_size: int, k: dict[str, Any]):
+    def __init__(self, cfg: ModelConfig, block_size: int, k: dict[str, Any]):
         super().__init__()
         self.block_size = block_size
 
@@ -62,17 +63,17 @@ class PlainAttention(nn.Cell):
     """`kv_dtype` float16: the cache holds float16 keys and values, scores and the weighted sum run
     in float16 MatMuls, the softmax in float32."""
 
-    def __init__(self, cfg: Any, block_size: int, kv_dtype: str = "float32"):
+    def __init__(self, cfg: ModelConfig, block_size: int, kv_dtype: str = "float32"):
         super().__init__()
         self.block_size = block_size
         self.kv_type = ms.float16 if kv_dtype == "float16" else ms.float32
         self.heads, self.kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.width, self.qk_norm, self.qk_eps = self.q_size + 2 * self.kv_size, cfg.qk_norm, cfg.rms_eps
+        self.width, self.qk_norm, self.qk_eps = self.q_size + 2 * self.kv_size, cfg.family.qk_norm, cfg.rms_eps
         # one mask per distinct sliding window (0: the whole context), each layer's picked by index
         self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)})
         self.mask_of = [self.windows.index(cfg.window(i)) for i in range(cfg.num_layers)]
-        # one cos/sin gather per rope table the layers take (agent.model.rope_tables)
+        # one cos/sin gather per rope table the layers take (agent.model_config.rope_tables)
         self.tables = sorted({cfg.rope_table(i) for i in range(cfg.num_layers)})
         self.table_of = [self.tables.index(cfg.rope_table(i)) for i in range(cfg.num_layers)]
         self.max_position = cfg.max_position
@@ -111,7 +112,7 @@ class PlainAttention(nn.Cell):
 
     def rope_attention(self, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
                        pro: Tensor, layer: int) -> Tensor:
-        """`pro`: the layer's prologue (agent.projections.layer_prologues), applied before rope;
+        """`pro`: the layer's prologue (agent.model.fusion.layer_prologues), applied before rope;
         `layer` picks its rope table and its sliding window's mask."""
         t = self.table_of[layer]
         q, k_cache, v_cache = self._rope_write(self._prologue(qkv, pro), c[0][t], c[1][t], slots, k_cache, v_cache)
@@ -133,8 +134,8 @@ class PlainAttention(nn.Cell):
                     v_cache: Tensor) -> tuple:
         """Rope on the query and key heads at once: (q [n, H, hd], the updated caches). Keys and values
         are scattered into the caches by slot: O(tokens), where every other write form copies the
-        whole cache; attention reads what the scatters return (read back from the Parameters, a
-        4096-context step held ~300 MiB more)."""
+        whole cache; attention reads what the scatters return (read back from the Parameters, a long-context
+        step held far more memory: docs/perf-notes.md)."""
         n, hd = qkv.shape[0], self.hd
         qk, v = ops.split(qkv, (self.q_size + self.kv_size, self.kv_size), 1)
         qk = qk.reshape(n, self.heads + self.kv, hd)

@@ -14,7 +14,7 @@ from common.config import CHANNEL_GROUP, QUANT_GROUP_SIZE
 
 LANES = 8  # groups per block: one per int32 lane of the kernel's accumulators
 QMAX = 127  # symmetric: -128 never occurs, so |x| * sign(w) in the kernel cannot overflow
-ALPHA = 0.5  # SmoothQuant's migration strength (agent/calibrate); 0.4-0.5 measured best on SmolLM2
+ALPHA = 0.5  # SmoothQuant's migration strength (agent/model/calibrate.py); 0.4-0.5 measured best on SmolLM2
 
 
 CHANNEL = CHANNEL_GROUP  # one scale per output channel (and per token): GPTQ's and vLLM's group size -1
@@ -145,7 +145,7 @@ def concat(parts: list[Int8Rows]) -> Int8Rows:
 
 
 def smoothing(act_max: np.ndarray, weight_col_max: np.ndarray) -> np.ndarray:
-    """Per input channel factor s (agent/calibrate): the activation is divided by it, the weight
+    """Per input channel factor s (agent/model/calibrate.py): the activation is divided by it, the weight
     column multiplied."""
     s = np.maximum(act_max, 1e-5) ** ALPHA / np.maximum(weight_col_max, 1e-5) ** (1 - ALPHA)
     return np.clip(s, 1e-4, 1e4).astype(np.float32)

@@ -5,20 +5,17 @@ into the query rows (rope is linear), or into the q norm's gain where the family
 biases, q/k norms and the output norms' gains go into each layer's prologue (`layer_prologues`). fp32: each RMSNorm gain is folded into the columns of the
 matrix after it. int8: the gains stay apart (quantised weights keep their own values) and the
 kernel applies them where it quantises the activations, together with the smoothing factors of
-agent/calibrate (float weights only: a file's int8 rows are used as stored).
+agent/model/calibrate.py (float weights only: a file's int8 rows are used as stored).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
 
-from agent.quant import CHANNEL, Int8Rows, concat, quantize, smoothing
+from agent.model.quant import CHANNEL, Int8Rows, concat, quantize, smoothing
+from agent.model_config import ModelConfig, Weights
 from common.config import QUANT_GROUP_SIZE
-
-Weights = Mapping[str, Any]  # float32 arrays, or Int8Rows for tensors a file held as int8
-
 
 def _layer_mats(w: Weights, i: int) -> dict[str, list[Any]]:
     p = f"model.layers.{i}."
@@ -28,10 +25,10 @@ def _layer_mats(w: Weights, i: int) -> dict[str, list[Any]]:
             "down": [w[p + "mlp.down_proj.weight"]]}
 
 
-def _gains(cfg: Any, w: Weights, i: int) -> dict[str, np.ndarray]:
+def _gains(cfg: ModelConfig, w: Weights, i: int) -> dict[str, np.ndarray]:
     """The gain of the norm before each projection (ones where none is)."""
     p = f"model.layers.{i}."
-    mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+    mlp_norm = "pre_feedforward_layernorm" if cfg.family.sandwich_norms else "post_attention_layernorm"
     return {"qkv": w[p + "input_layernorm.weight"], "o": np.ones(cfg.num_heads * cfg.head_dim, np.float32),
             "gate_up": w[p + mlp_norm + ".weight"], "down": np.ones(cfg.intermediate_size, np.float32)}
 
@@ -40,21 +37,21 @@ def _float(m: Any) -> np.ndarray:
     return m.dequantize() if isinstance(m, Int8Rows) else m
 
 
-def row_scale(cfg: Any, attn_scale: float) -> float:
+def row_scale(cfg: ModelConfig, attn_scale: float) -> float:
     """The factor the query rows take: the attention scale, unless a q norm follows the projection
     (it would undo the factor, and its eps would not be scaled: the scale goes in its gain)."""
-    return 1.0 if cfg.qk_norm else attn_scale
+    return 1.0 if cfg.family.qk_norm else attn_scale
 
 
 PROLOGUE_SCALARS = 4  # after the gains: q/k norm eps, sliding window, rope table row offset and rows
 
 
-def post_gain_offset(cfg: Any) -> int:
+def post_gain_offset(cfg: ModelConfig) -> int:
     """Where a layer prologue's output-norm gains start (agent/kernels/prologue.h)."""
     return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 2 * cfg.head_dim + PROLOGUE_SCALARS
 
 
-def layer_prologues(cfg: Any, w: Weights, attn_scale: float) -> Iterator[np.ndarray]:
+def layer_prologues(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterator[np.ndarray]:
     """Per layer, one float32 array (agent/kernels/prologue.h's layout) of what the layer adds to the
     Llama layer: the Q|K|V bias that agent/kernels/fused.cpp's RopeCache adds before rope (zeros
     where the family has none; the query's scaled as its rows are), the q and k heads' RMSNorm gains
@@ -66,23 +63,23 @@ def layer_prologues(cfg: Any, w: Weights, attn_scale: float) -> Iterator[np.ndar
     start = post_gain_offset(cfg)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out = np.zeros(start + (2 * cfg.hidden_size if cfg.sandwich_norms else 0), np.float32)
-        if cfg.qkv_bias:
+        out = np.zeros(start + (2 * cfg.hidden_size if cfg.family.sandwich_norms else 0), np.float32)
+        if cfg.family.qkv_bias:
             out[:width] = np.concatenate([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
             out[:q_width] *= row_scale(cfg, attn_scale)
-        if cfg.qk_norm:
+        if cfg.family.qk_norm:
             out[width:width + hd] = np.asarray(w[p + "self_attn.q_norm.weight"], np.float32) * attn_scale
             out[width + hd:width + 2 * hd] = w[p + "self_attn.k_norm.weight"]
             out[width + 2 * hd] = cfg.rms_eps
         table = cfg.rope_table(i)
         out[width + 2 * hd + 1:start] = cfg.window(i), table * cfg.max_position, cfg.max_position
-        if cfg.sandwich_norms:
+        if cfg.family.sandwich_norms:
             out[start:] = np.concatenate([w[p + n + ".weight"] for n in ("post_attention_layernorm",
                                                                           "post_feedforward_layernorm")])
         yield out
 
 
-def fp32_projections(cfg: Any, w: Weights, attn_scale: float) -> Iterator[dict[str, np.ndarray]]:
+def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterator[dict[str, np.ndarray]]:
     """Per layer (one at a time: a large model never holds a second full copy), each projection's
     [out, in] float32 matrix, gains and attention scale folded in."""
     attn_scale = row_scale(cfg, attn_scale)
@@ -114,17 +111,16 @@ def _int8(parts: list[Any], gain: np.ndarray, act_max: np.ndarray | None,
 def kind_group(name: str, group: int) -> int:
     """The int8 group of projection kind `name` under quant_group_size `group`. Per channel (CHANNEL),
     the MLP's down projection keeps groups: its input (after SwiGLU) has the outliers one scale per
-    token cannot hold. SmolLM2, eval_quant (Zen 4): every kind per channel +1.13% perplexity over
-    fp32 (± 0.26), SmoothQuant at 0.3 / 0.7 +3.1% / +1.9%; down in groups +0.29% (± 0.22), groups
-    everywhere +0.66% (± 0.14)."""
+    token cannot hold: every kind per channel, at any SmoothQuant strength, was less accurate
+    (docs/perf-notes.md)."""
     return QUANT_GROUP_SIZE if group == CHANNEL and name == "down" else group
 
 
-def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, list[np.ndarray]] | None,
+def int8_projections(cfg: ModelConfig, w: Weights, attn_scale: float, ranges: dict[str, list[np.ndarray]] | None,
                      group: int) -> Iterator[dict[str, tuple[Int8Rows, np.ndarray]]]:
-    """Per layer, each projection's (int8 rows, input factor); `ranges` from agent.calibrate
+    """Per layer, each projection's (int8 rows, input factor); `ranges` from agent.model.calibrate
     (None: no smoothing); `group`: at most this many inputs per weight and activation scale
-    (agent.quant.group_for), or CHANNEL (kind_group)."""
+    (agent.model.quant.group_for), or CHANNEL (kind_group)."""
     attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
         gains = _gains(cfg, w, i)
@@ -137,7 +133,7 @@ def int8_projections(cfg: Any, w: Weights, attn_scale: float, ranges: dict[str, 
         yield out
 
 
-def lm_head(cfg: Any, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]] | None = None,
+def lm_head(cfg: ModelConfig, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]] | None = None,
             group: int = QUANT_GROUP_SIZE, embed: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
     """The output projection [vocab, hidden] (the embedding when tied: `embed` where the caller has it
     read, a 262k vocabulary's is seconds to dequantise) and its input factor (the final norm gain;

@@ -1,20 +1,20 @@
 """GGUF files (llama.cpp) as Hugging Face-named tensors and our config: architectures `llama`
 (Llama, Mistral), `qwen2`, `qwen3` and `gemma3` (norm weights as llama.cpp stores them: 1 + w). Every tensor type the gguf package dequantises is read
 (F32, F16, BF16, Q8_0, the K-quants Q4_K, Q5_K, Q6_K...), to float32 at load; with ``int8``, Q8_0
-projection matrices are kept as their int8 rows (agent.quant.Int8Rows) where every layer's are
+projection matrices are kept as their int8 rows (agent.model.quant.Int8Rows) where every layer's are
 Q8_0 (a mixed file, Q4_K_M's, is dequantised and requantised alike: the layers' int8 rows must
 share one layout). Tensors and metadata that
-would change the math and are not implemented are refused by name (agent.families)."""
+would change the math and are not implemented are refused by name (agent.weights.families)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from agent.families import UnsupportedModel, check_tensors, family_fields
-from agent.lazy_weights import LazyWeights
-from agent.model import LlamaConfig
-from agent.quant import from_q8_0
+from agent.weights.families import FAMILIES, UnsupportedModel, check_tensors
+from agent.weights.lazy import LazyWeights
+from agent.model_config import ModelConfig
+from agent.model.quant import from_q8_0
 from common.gguf_file import GgufFile
 from common.model_files import ModelFiles
 
@@ -53,13 +53,13 @@ def _tensor(t: Any, int8: bool) -> Any:
         q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
         if int8 and len(shape) == 2:
             return from_q8_0(q.reshape(shape), d.reshape(shape[0], -1))
-        # gguf.quants' own loop takes ~3x longer (Gemma 3's 168M-value embedding: 3.5 s); the same exact products
+        # faster than gguf.quants' own loop (docs/perf-notes.md), with the same exact products
         return (q.astype(np.float32) * d[:, None].astype(np.float32)).reshape(shape)
     # a copy even for F32 (a view would map the file pages back in after drop_pages)
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
 
 
-def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, LazyWeights]:
+def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[ModelConfig, LazyWeights]:
     import gguf
 
     reader = GgufFile(files.path)
@@ -72,11 +72,11 @@ def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, LazyW
     factors = by_name.pop("rope_freqs.weight", None)  # Llama 3's rope scaling, as llama.cpp writes it
     cfg = _config(meta, "output.weight" in by_name, n_vocab, bos, int(eos),
                   None if factors is None else tuple(float(f) for f in _tensor(factors, False).reshape(-1)))
-    unpermute = cfg.family == "llama"
+    unpermute = cfg.family.name == "llama"
     q8 = [t.tensor_type == gguf.GGMLQuantizationType.Q8_0 for n, t in by_name.items() if n.startswith("blk.")
           and len(t.shape) == 2]
     int8 = int8 and all(q8)
-    layer_names = dict(_LAYER, **_SANDWICH) if cfg.sandwich_norms else _LAYER
+    layer_names = dict(_LAYER, **_SANDWICH) if cfg.family.sandwich_norms else _LAYER
     weights = LazyWeights()
     for name, t in by_name.items():
         parts = name.split(".")
@@ -94,7 +94,7 @@ def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[LlamaConfig, LazyW
 
 
 def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, eos: int,
-            factors: tuple[float, ...] | None) -> LlamaConfig:
+            factors: tuple[float, ...] | None) -> ModelConfig:
     arch = meta["general.architecture"]
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -115,14 +115,14 @@ def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, e
         head_dim = a("attention.key_length") or a("embedding_length") // heads
         scalar = a("embedding_length") // heads if layers == GEMMA3_27B_LAYERS else head_dim
         gemma = dict(sliding_rope_theta=GEMMA3_SLIDING_THETA if window else 0.0, attn_scale=float(scalar) ** -0.5)
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=int(a("vocab_size") or n_vocab), hidden_size=a("embedding_length"),
         intermediate_size=a("feed_forward_length"), num_layers=a("block_count"), num_heads=heads,
         num_kv_heads=a("attention.head_count_kv", heads), head_dim=a("attention.key_length", 0),
         rms_eps=a("attention.layer_norm_rms_epsilon"), rope_theta=a("rope.freq_base", 10000.0),
         rope_scaling={"rope_type": "linear", "factor": a("rope.scaling.factor")} if scaling == "linear" else None,
         rope_freq_factors=factors, tie_word_embeddings=not untied, max_position=a("context_length", 4096),
-        bos_token_id=bos, eos_token_ids=[eos], layer_windows=windows, **gemma, **family_fields(ARCHITECTURES[arch]))
+        bos_token_id=bos, eos_token_ids=[eos], layer_windows=windows, **gemma, family=FAMILIES[ARCHITECTURES[arch]])
 
 
 def gemma3_sliding(pattern: Any, layers: int) -> list[bool]:

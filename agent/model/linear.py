@@ -11,8 +11,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from agent.kernels import pack_int8_channel
-from agent.layers import param, zeros_param
-from agent.quant import Int8Rows, bf16_bits
+from agent.model.params import param, zeros_param
+from agent.model.quant import Int8Rows, bf16_bits
 
 BF16_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp)
 LAYER_KINDS = ("qkv", "o", "gate_up", "down")
@@ -70,15 +70,15 @@ class Projection(nn.Cell):
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
                          v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
-        """Layer i's attention from its Q|K|V projection and prologue `pro` (`attn`: agent.attention's
+        """Layer i's attention from its Q|K|V projection and prologue `pro` (`attn`: agent.model.attention's
         cell; the step's keys and values go into the caches) and this projection of it."""
         return self.linear(attn.rope_attention(qkv, c, slots, k_cache, v_cache, pro, i), i)
 
 
 class PlainLinear(Projection):
     """MindSpore MatMul on one [out, in] copy (transpose_b: the layout Ascend and GPU kernels take).
-    On CPU this fallback is ~2.5x slower at few rows than an [in, out] copy would be; the CPU runs
-    the native kernels instead, and a second copy of every weight is what a 7B model cannot afford."""
+    On CPU this fallback is slower at few rows than an [in, out] copy would be (docs/perf-notes.md); the CPU runs the native kernels instead, and a second copy of every weight is
+    what a 7B model cannot afford."""
 
     dtype: Any = np.float32
 
