@@ -4,19 +4,22 @@ reference."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 
-from agent.tensor_parallel import SEGMENT_DIR, create_segment
+from agent.tensor_parallel import SEGMENT_DIR, create_segment, group_link, slot_floats, stop_link
+from common.config import ServingConfig
 from shm.arena import segment_name
 from tests.agent.test_model_runner import PROMPTS
 from tests.conftest import TINY, tiny_model_config
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT
 from tests.reference import random_weights, reference_logits
 
 TP_TOL = 1e-4  # fp32: a rank's partial sums and the all-reduce's order against one rank and float64
@@ -28,12 +31,12 @@ import numpy as np
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
-from agent.tensor_parallel import Group, slot_floats
+from agent.tensor_parallel import Group
 from tests.agent.test_model_runner import PLAIN_BUCKETS, PROMPTS, PagedDriver
 from tests.conftest import TINY, tiny_model_config
 from tests.reference import random_weights
 
-rank, size, segment, out, steps, model, native, dtype = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+rank, size, link, out, steps, model, native, dtype = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                                          int(sys.argv[5]), sys.argv[6], sys.argv[7] == "native", sys.argv[8])
 if model == "tiny":
     cfg = tiny_model_config()
@@ -44,12 +47,9 @@ else:
     cfg, weights = load_model(resolve_model(model), max_position=128)
 buckets = PLAIN_BUCKETS  # a bucket that holds every step RankDriver runs: fewer graphs to build per rank
 setup_mindspore()
-if size == 1:
-    group = Group()
-elif native:  # the native collectives over a shared segment
-    group = Group(rank, size, segment, slot_floats(cfg.hidden_size, cfg.vocab_size, 512, 16, size))
-else:  # mindspore.communication (mccl), `segment` is its scheduler's port
-    group = Group(rank, size, sched_port=int(segment))
+# where the ranks meet, as an agent reads the launcher's link: shm:<segment> (the native collectives)
+# or ms:<port> (mindspore.communication's scheduler, mccl on CPU)
+group = Group.from_link(link, rank, size, cfg.hidden_size, cfg.vocab_size, 512, 16)
 rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=128, token_buckets=buckets, max_running=16, tp=group,
                   native_kernels=native, model_dtype=dtype)
 runner = ModelRunner(cfg, weights, rc)
@@ -86,22 +86,20 @@ def _shape(folder: str) -> tuple[int, int]:
 
 def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", native: bool = True,
               dtype: str = "float32") -> list[dict]:
-    """Every rank of a `size`-way group as its own process (one rank alone for size 1); without the
-    native kernels, with mindspore.communication's scheduler as one more process."""
+    """Every rank of a `size`-way group as its own process (one rank alone for size 1). Without the
+    native kernels the launcher's own group_link starts mindspore.communication's scheduler (one more
+    process), as llm-serving and launch_agents do."""
     segment = segment_name(f"tp-test-{uuid.uuid4().hex[:8]}")  # ours, by this pid: no other test reads it
-    helpers = []
+    link, companion = f"shm:{segment}", None
     if not native and size > 1:
-        segment = str(free_port())
-        helpers.append(subprocess.Popen([sys.executable, "-c", "import sys; from agent.tensor_parallel import run_scheduler; "
-                                         f"run_scheduler({segment}, {size})"], cwd=ROOT,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with mock.patch.dict(os.environ, {"LLM_SERVING_NATIVE": "0"}):
+            link, companion = group_link(ServingConfig(), list(range(size)))
+        assert link.startswith("ms:")
     elif size > 1:
-        from agent.tensor_parallel import slot_floats
-
         hidden, vocab = (64, 272) if model == "tiny" else _shape(model)
         create_segment(segment, size, slot_floats(hidden, vocab, 512, 16, size))
     try:
-        procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), segment,
+        procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(size), link,
                                    str(tmp_path / f"rank{size}-{r}.json"), str(steps), model,
                                    "native" if native else "plain", dtype], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -111,8 +109,7 @@ def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", nati
             assert p.returncode == 0, out[-3000:]
     finally:
         (SEGMENT_DIR / segment).unlink(missing_ok=True)
-        for h in helpers:
-            h.wait(60)
+        stop_link(companion)
     return [json.loads((tmp_path / f"rank{size}-{r}.json").read_text()) for r in range(size)]
 
 

@@ -37,20 +37,6 @@ def reference_greedy(tiny_weights, ids: list[int]) -> list[int]:
     return [int(t) for t in reference_logits(tiny_model_config(), tiny_weights, ids[:-1])[n - 1:].argmax(-1)]
 
 
-def test_without_native_kernels_the_ranks_meet_through_mindspore_communication(tmp_path, tiny_model_dir,
-                                                                               tiny_weights):
-    """LLM_SERVING_NATIVE=0 (as on other devices): plain MindSpore ops, mccl collectives, the
-    launcher's scheduler process; the same greedy text. One decode and one prefill bucket: each
-    plain-path graph with collectives takes seconds to build."""
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2, seq_length=[16],
-                                    decode_batch_size=[1]), env={"LLM_SERVING_NATIVE": "0"})
-    try:
-        ids = _ids(srv.url, PROMPTS[1])
-        assert ids[-NEW:] == reference_greedy(tiny_weights, ids)
-    finally:
-        srv.stop()
-
-
 def test_two_ranks_serve_the_reference_s_text_and_a_sigkill_of_rank_1_restarts_the_group(tmp_path, tiny_model_dir,
                                                                                        tiny_weights):
     srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2))
