@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensor table, read in one pass over its header. The gguf package's
-GGUFReader builds a numpy view per array element: ~10 s for Gemma 3's 262k-token vocabulary (three
+GGUFReader builds a numpy view per array element: seconds for Gemma 3's 262k-token vocabulary (three
 arrays of it), paid by the server (tokenizer), the launcher (memory plan) and each agent (weights).
-Here arrays of numbers are one `frombuffer` each and strings a plain loop: ~0.3 s."""
+Here arrays of numbers are one `frombuffer` each and strings a plain loop (docs/perf-notes.md)."""
 from __future__ import annotations
 
 import mmap

@@ -58,7 +58,7 @@ def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 
     files = resolve_model(model)
     cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8")
     # A pool for what runs: one corpus window, or every greedy prompt's few blocks (the whole
-    # max_rows x max_len pool, 1.5 GB for SmolLM2, took 3 s to zero per runner).
+    # max_rows x max_len pool took seconds to zero per runner).
     blocks = 1 + max(max_len // BLOCK, len(PROMPTS) * GREEDY_BLOCKS)
     rc = RunnerConfig(num_blocks=blocks, block_size=BLOCK, max_model_len=max_len,
                       token_buckets=[max_rows, 512], max_running=max_rows, model_dtype=dtype,

@@ -142,8 +142,8 @@ def library() -> str | None:
 
 
 def _build(cxx: str, flags: list[str], srcs: list[Path], link: list[str], out: str) -> None:
-    """Each source compiled on its own core, then linked: a first start's build took 31 s on one
-    core (Zen 3: 10 sources, the longest 7.6 s), about half that on two."""
+    """Each source compiled on its own core, then linked: a first start's build takes about half
+    the one-core time on two cores (docs/perf-notes.md)."""
     def compile_one(src: Path) -> str:
         obj = os.path.join(objs, src.stem + ".o")
         subprocess.run([cxx, *[f for f in flags if f != "-shared"], "-c", str(src), "-o", obj], check=True,

@@ -22,8 +22,8 @@ def _not_bool(v: Any) -> Any:
     return v
 
 
-# Token-id prompts longer than this are refused before their items are validated (a 5 MB id list
-# took 2.3 s with a Python validator per item); the context length is checked after, in prompts.py.
+# Token-id prompts longer than this are refused before their items are validated (a Python validator
+# per item took seconds on a megabytes-long list); the context length is checked after, in prompts.py.
 MAX_PROMPT_IDS = 1 << 20
 
 
