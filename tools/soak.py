@@ -2,13 +2,14 @@
 
     python -m tools.soak --config configs/smollm2.yaml --minutes 20 [--clients 6]
 
-Starts `llm-serving` on the config (loopback), then each client thread loops over eight request
-kinds (completions greedy / seeded sampling / logprobs / stop strings and penalties, chat, TGI
-generate with details, streams read to the end, and streams the client leaves after a few events:
-one request in five), prompts of random lengths. Every 10 s it records each process's RSS. Prints
-the curve a minute a line, requests by outcome, and each process's RSS at the end against its value
-after the warm-up (`--warmup-minutes`, 2): a flat process stays within 2%. Exit 1 on a request
-that hung or a 5xx answer.
+Starts `llm-serving` on the config (loopback), then each client thread loops over ten request
+kinds (`--kinds` picks some, to bisect growth by kind): completions greedy / seeded sampling /
+logprobs / stop strings and penalties / echo with prompt logprobs / n=2 with logprobs, chat, chat
+constrained to a JSON schema, TGI generate with details, and TGI streams (the client leaves one in
+five after a few events), prompts of random lengths. Every 10 s it records each process's RSS.
+Prints the curve a minute a line, requests by outcome, and each process's RSS at the end against
+its value after the warm-up (`--warmup-minutes`, 5): a flat process stays within 2%. Exit 1 on a
+request that hung or a 5xx answer.
 """
 from __future__ import annotations
 
@@ -36,28 +37,46 @@ def rss_mb(pid: int) -> float:
         return float("nan")
 
 
-def one(url: str, rng: random.Random) -> str:
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 12}, "count": {"type": "integer"}},
+          "required": ["word", "count"]}
+
+
+def bodies(text: str, new: int, rng: random.Random) -> dict[str, tuple[str, dict]]:
+    """Each request kind's path and body."""
+    chat = [{"role": "user", "content": text}]
+    return {
+        "greedy": ("/v1/completions", {"prompt": text, "max_tokens": new, "temperature": 0}),
+        "sampled": ("/v1/completions", {"prompt": text, "max_tokens": new, "temperature": 0.9, "top_p": 0.9,
+                                        "seed": rng.randint(0, 99)}),
+        "logprobs": ("/v1/completions", {"prompt": text, "max_tokens": new, "logprobs": 3}),
+        "penalties": ("/v1/completions", {"prompt": text, "max_tokens": new, "stop": ["gamma", "."],
+                                          "frequency_penalty": 0.5, "repetition_penalty": 1.2}),
+        "chat": ("/v1/chat/completions", {"messages": chat, "max_tokens": new}),
+        "tgi": ("/generate", {"inputs": text, "parameters": {"max_new_tokens": new, "details": True}}),
+        "echo": ("/v1/completions", {"prompt": text, "max_tokens": new, "echo": True, "logprobs": 1}),
+        "stream": ("/generate_stream", {"inputs": text, "parameters": {"max_new_tokens": new}}),
+        "json": ("/v1/chat/completions", {"messages": chat, "max_tokens": 48, "temperature": 0.7,
+                                          "response_format": {"type": "json_schema",
+                                                              "json_schema": {"name": "w", "schema": SCHEMA}}}),
+        "n2": ("/v1/completions", {"prompt": text, "max_tokens": new, "n": 2, "temperature": 0.8, "logprobs": 2}),
+    }
+
+
+KINDS = list(bodies("", 1, random.Random()))
+CUT_STREAMS = 0.2  # of streams, the client leaves after a few events
+
+
+def one(url: str, rng: random.Random, kinds: list[str]) -> str:
     """One request of a random kind: its outcome ('ok', 'left', 'http NNN', 'hung', an error name)."""
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 200)))
-    new = rng.randint(4, 96)
-    kind = rng.randrange(8)
-    bodies = [
-        ("/v1/completions", {"prompt": text, "max_tokens": new, "temperature": 0}),
-        ("/v1/completions", {"prompt": text, "max_tokens": new, "temperature": 0.9, "top_p": 0.9, "seed": rng.randint(0, 99)}),
-        ("/v1/completions", {"prompt": text, "max_tokens": new, "logprobs": 3}),
-        ("/v1/completions", {"prompt": text, "max_tokens": new, "stop": ["gamma", "."], "frequency_penalty": 0.5,
-                             "repetition_penalty": 1.2}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": new}),
-        ("/generate", {"inputs": text, "parameters": {"max_new_tokens": new, "details": True}}),
-    ]
+    kind = rng.choice(kinds)
+    path, body = bodies(text, rng.randint(4, 96), rng)[kind]
     try:
-        if kind < len(bodies):
-            path, body = bodies[kind]
+        if kind != "stream":
             r = httpx.post(url + path, json=body, timeout=300)
             return "ok" if r.status_code == 200 else f"http {r.status_code}"
-        body = {"inputs": text, "parameters": {"max_new_tokens": new}}
-        leave_after = rng.randint(1, 4) if kind == 7 else None  # the client leaves mid-stream
-        with httpx.stream("POST", url + "/generate_stream", json=body, timeout=300) as r:
+        leave_after = rng.randint(1, 4) if rng.random() < CUT_STREAMS else None
+        with httpx.stream("POST", url + path, json=body, timeout=300) as r:
             if r.status_code != 200:
                 return f"http {r.status_code}"
             for i, _ in enumerate(r.iter_lines()):
@@ -74,10 +93,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs/smollm2.yaml"))
     ap.add_argument("--minutes", type=float, default=20.0)
-    ap.add_argument("--warmup-minutes", type=float, default=2.0)
+    ap.add_argument("--warmup-minutes", type=float, default=5.0)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"request kinds, comma-separated (all: {','.join(KINDS)})")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        ap.error(f"unknown kinds {sorted(unknown)}; known: {KINDS}")
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     proc, url = start_server(Path(args.config), log, 900)
     pids = {"server": proc.pid, **{f"agent{i}": p for i, p in enumerate(agent_pids(proc.pid))}}
@@ -86,7 +109,7 @@ def main() -> int:
     def client(i: int) -> None:
         rng = random.Random(args.seed * 1000 + i)
         while not stop.is_set():
-            result = one(url, rng)
+            result = one(url, rng, kinds)
             with lock:
                 outcomes[result] += 1
 

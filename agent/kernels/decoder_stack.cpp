@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "buffers.h"
+#include "dnnl.h"
 #include "kv_rows.h"
 #include "prologue.h"
 #include "rows.h"
@@ -106,12 +107,14 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   if (!sandwich && pro_len != post_gains) return 1;
   const float eps = static_cast<const float *>(params[EPS])[0];
   // The step's tokens up to its bucket are padding after the real ones, each writing slot 0 (block 0
-  // is reserved for them; agent/runner.py refuses real tokens there). Only the real ones are
-  // computed: the padding's rows of the output are zeros (no sampled row reads them). A step pads
-  // to its bucket, ~1.5x apart: up to a third of a step was padding.
+  // is reserved for them; agent/runner.py refuses real tokens there). A step pads to its bucket,
+  // ~1.5x apart: up to a third of a step was padding. Only the real rows and the padding up to their
+  // row bucket (dnnl.h: <= 1/8 more, so that oneDNN's primitives come in few shapes) are computed;
+  // the output's rows past the real ones are zeros (no sampled row reads them).
   const int32_t *slot = static_cast<const int32_t *>(params[SLOTS]);
-  int64_t n = padded;
-  while (n > 1 && slot[n - 1] == 0) --n;
+  int64_t real = padded;
+  while (real > 1 && slot[real - 1] == 0) --real;
+  const int64_t n = std::min(kernels::row_bucket(real), padded);
   float *out = static_cast<float *>(params[nparam - 1]);
   std::fill(out + n * h, out + padded * h, 0.f);
   thread_local kernels::line_vector<float> x, mid, attn, gu, delta, qkv;
@@ -170,7 +173,9 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
     if (i + 1 == st.layers) {
       d.add(f32(x), 2, hs, "float32");
       d.take(params, ndims, shapes, dtypes, nparam - 1);
-      return d.run(add_rms, stream, extra);
+      const int rc = d.run(add_rms, stream, extra);
+      std::fill(out + real * h, out + n * h, 0.f);
+      return rc;
     }
     st.weights(d, 0, i + 1);
     d.add(f32(x), 2, hs, "float32");

@@ -3,6 +3,7 @@
 // without a threadpool: the kernels split work over their own pool (parallel.h), or hand that pool to
 // oneDNN as its threadpool.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -79,6 +80,22 @@ struct threadpool_iface {
 }  // namespace dnnl::threadpool_interop
 
 namespace kernels {
+// The rows a step's oneDNN primitives are built for: decoder_stack.cpp computes a step's real rows
+// up to this count. Exact up to 32; above, rounded up to an eighth of m's power of two (at most 1/8
+// more rows). The primitives are cached per row count (linear_blocks.cpp, int8_channel.cpp): one per
+// real step length grew an agent by ~1 GiB in 20 minutes of traffic (issue 68, docs/perf-notes.md).
+inline int64_t row_bucket(int64_t m) {
+  if (m <= 32) return m;
+  const int64_t step = (int64_t{1} << (63 - __builtin_clzll(static_cast<uint64_t>(m)))) / 8;
+  return (m + step - 1) / step * step;
+}
+
+// oneDNN primitives the kernels have built and keep (OnednnPrimitives() reads it).
+inline std::atomic<int64_t> &primitives_built() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
 // The process's one CPU engine.
 inline dnnl_engine_t cpu_engine() {
   static dnnl_engine_t e = [] {

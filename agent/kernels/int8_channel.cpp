@@ -217,7 +217,11 @@ int kernels::int8_channel_matmul(const int8_t *x, int64_t m, int64_t k, const vo
   thread_local std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<Matmul>> cache;
   auto &mm = cache[{m, k, n}];
   dnnl_stream_t stream = pool_stream();
-  if (!stream || (!mm && !(mm = build(m, k, n)))) return 1;
+  if (!stream) return 1;
+  if (!mm) {
+    if (!(mm = build(m, k, n))) return 1;
+    ++kernels::primitives_built();
+  }
   dnnl_memory_set_data_handle(mm->src, const_cast<int8_t *>(x));
   dnnl_memory_set_data_handle(mm->wei, const_cast<void *>(w));
   dnnl_memory_set_data_handle(mm->dst, y);

@@ -269,7 +269,10 @@ const std::string &probe_impl() {
 int dnnl_blocks(int dt, const void *x, int64_t m, int64_t k, int64_t n, const void *w, float *y, int64_t b, int64_t e) {
   thread_local std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Dnnl>> cache;
   auto &d = cache[{dt, m, k, e - b, n}];
-  if (!d && !(d = build(dt, m, k, e - b, n))) return 1;
+  if (!d) {
+    if (!(d = build(dt, m, k, e - b, n))) return 1;
+    ++kernels::primitives_built();
+  }
   const int64_t size = dt == dnnl_f32 ? 4 : 2;
   dnnl_stream_t stream = nullptr;
   thread_local dnnl_stream_t own = nullptr;
@@ -364,6 +367,12 @@ extern "C" const char *F32KernelPath() {
                                   " rows: streaming loop (" + STREAM_ISA + "); more: oneDNN batched matmul";
   return path.c_str();
 }
+
+// The oneDNN primitives built and kept so far, in every kernel's cache (tests: a bounded set).
+extern "C" int64_t OnednnPrimitives() { return kernels::primitives_built().load(); }
+
+// The rows a step of m real tokens computes in the decoder stack (tools/kernel_memory.py).
+extern "C" int64_t RowBucket(int64_t m) { return kernels::row_bucket(m); }
 
 extern "C" int LinearBlocks(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                             void *extra) {

@@ -1,9 +1,12 @@
 """Agent model runner vs an independent float64 NumPy forward of the same weights."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
+from agent.kernels import library
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
@@ -200,6 +203,22 @@ def test_built_graphs_run_without_the_cells_compile_check(runner16, monkeypatch)
     got, _ = PagedDriver(runner16).run(PROMPTS, 4, collect_logits=False)
     assert got == want
     assert len(runner16.graph._phases) == len(runner16.rc.graph_shapes())
+
+
+def test_steps_of_one_row_bucket_share_their_onednn_primitives(runner16, tiny_weights):
+    """The decoder stack computes a step's real rows up to their row bucket (agent/kernels/dnnl.h):
+    prompts of 113 to 120 tokens all run as 120 rows, so the oneDNN primitives kept per row count
+    come in few shapes, and the agent's memory stops growing with every new step length (issue 68).
+    Their logits stay the reference's."""
+    count = ctypes.CDLL(library()).OnednnPrimitives
+    count.restype = ctypes.c_int64
+    _, first = PagedDriver(runner16).run([list(range(1, 114))], 0)
+    built = count()
+    for n in range(114, 121):
+        PagedDriver(runner16).run([list(range(1, n + 1))], 0, collect_logits=False)
+    assert count() == built
+    ref = reference_logits(tiny_model_config(), tiny_weights, list(range(1, 114)))[-1]
+    assert np.abs(first[0][0] - ref).max() <= LOGIT_TOL
 
 
 def test_graph_set_is_two_graphs_per_large_token_bucket():
