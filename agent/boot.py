@@ -71,7 +71,8 @@ def _agent_info(cfg: ServingConfig, files: ModelFiles, model_cfg: ModelConfig, r
                      m.weight_bytes, m.streamed_bytes, m.kv_cache_bytes, runner.kv_dtype,
                      activation_estimate(model_cfg, cfg), runner.kernel_paths,
                      launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
-                     tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack)
+                     tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack,
+                     planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0)
 
 
 def activation_estimate(model_cfg: ModelConfig, cfg: ServingConfig) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 
 from agent.runner_config import graph_for
-from common.procs import pid_alive
+from common.procs import pid_alive, rss_bytes
 from shm import protocol as P
 from shm.arena import Arena, ArenaSpec, Segment
 from shm.curve import KeyFolder
@@ -103,7 +103,7 @@ class AgentServer:
         return self._status()
 
     def _status(self) -> dict[str, Any]:
-        return replace(self.info, pid=os.getpid(), attached=bool(self.arenas), server_pid=self.server_pid,
+        return replace(self.info, pid=os.getpid(), rss_bytes=rss_bytes(), attached=bool(self.arenas), server_pid=self.server_pid,
                        graph_compiles=self.runner.graph_compiles, protocol=P.VERSION).to_wire()
 
     # ------------------------------------------------------------ commands
@@ -134,7 +134,8 @@ class AgentServer:
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else arena.output_frames(dims)
-        return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles).to_wire(), frames
+        return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles,
+                         rss_bytes()).to_wire(), frames
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
         """Never raises: malformed input or a failed command becomes an error reply."""

@@ -71,6 +71,7 @@ class ServingConfig:
     heartbeat_s: float = 5.0  # idle agents are pinged this often (remote agents exit after ~30 s of silence)
     max_agent_restarts: int = 5  # restarts in a row (no successful step between) before giving up
     recovery_deadline_s: float = 300.0  # a request waiting this long for a recovering agent fails
+    memory_margin: float = 0.1  # an agent resident over its memory plan by this fraction: /health degraded
     max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
     max_header_bytes: int = 64 << 10  # larger request headers get 431
     http_header_timeout_s: float = 10.0  # a connection must send a request's headers within this
@@ -83,6 +84,9 @@ class ServingConfig:
     curve_keys: str | None = None  # CURVE key folder for tcp agents (shm/curve.py)
     device_memory: int = 0  # ours: bytes of each device (Ascend, GPU) for the memory plan; 0 = its runtime's figure
     kv_cache_memory: int = 0  # ours: KV pool bytes per agent with num_blocks auto (vLLM's KV space); 0 = what is left
+    # ours: the memory plan's runtime per agent: MindSpore imported, its graphs built and run, oneDNN's
+    # primitives (measured: docs/perf-notes.md)
+    runtime_memory: int = 600 << 20
     # pa_config
     num_blocks: int = 1024  # 0 = auto (common/memory.py sizes it before the agents load)
     block_size: int = 16

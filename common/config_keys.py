@@ -137,6 +137,10 @@ KEYS: list[Key] = [
              "idea; implies `pa_config.num_blocks: auto` unless `num_blocks` is also set. Every start checks weights + "
              "KV + activations + runtime per agent, times the agents started on this host, against its available "
              "memory and stops before loading with what it needs and has (`llm-serving --dry-run` prints that plan)"),
+    Key(S, "runtime_memory", "runtime_memory", parse_bytes, lambda v: v >= 0, "a byte count such as 600MiB",
+        here="ours: what the memory plan counts per agent beside weights, KV cache and activations (MindSpore, its "
+             "graphs, oneDNN's primitives; measured on CPU, docs/perf-notes.md): correct it for another build or "
+             "device; `memory_margin` alarms against the plan"),
     Key(S, "server_ip", "server_ip", str, original="HTTP address", here="same"),
     Key(S, "server_port", "server_port", as_int, port_ok, "a port in [1, 65535]", "HTTP port", "same"),
     Key(S, "prefill_batch_waiting_time", "prefill_batch_waiting_time", as_float, lambda v: 0 <= v <= 10,
@@ -163,6 +167,9 @@ KEYS: list[Key] = [
              + SUPERVISION),
     Key(S, "recovery_deadline_s", "recovery_deadline_s", as_float, lambda v: v > 0, "> 0 seconds",
         here="a request waiting this long for a recovering agent fails; " + SUPERVISION),
+    Key(S, "memory_margin", "memory_margin", as_float, lambda v: v >= 0, ">= 0 (a fraction of the plan)",
+        here="an agent whose resident memory passes its memory plan's bytes by this fraction turns `/health` to "
+             "`degraded` (still 200) naming it, and is logged once; nothing is killed; " + SUPERVISION),
     Key(S, "max_body_bytes", "max_body_bytes", as_int, lambda v: v >= 1024, ">= 1024", here="larger HTTP bodies get 413"),
     Key(S, "max_header_bytes", "max_header_bytes", as_int, lambda v: v >= 1024, ">= 1024",
         here="larger request headers get 431 and the connection is closed"),

@@ -14,9 +14,6 @@ from common.config import ConfigError, ServingConfig
 from common.model_files import ModelFiles, mindformers_yaml
 
 GiB = 1 << 30
-# An agent process with MindSpore imported and its graphs built, before weights and KV (measured:
-# docs/perf-notes.md).
-RUNTIME_BYTES = 600 << 20
 AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
 
 
@@ -232,7 +229,7 @@ def plan(cfg: ServingConfig, files: ModelFiles, agents: int, device_free: int | 
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
     available = available_bytes() if cfg.device == "CPU" else cfg.device_memory or device_free
     if not cfg.num_blocks:
-        cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + RUNTIME_BYTES, available)
+        cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + cfg.runtime_memory, available)
     kv_dtype = kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU")
-    return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size, kv_dtype), activations, RUNTIME_BYTES,
+    return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size, kv_dtype), activations, cfg.runtime_memory,
                       agents, available, cfg.num_blocks, cfg.device, kv_dtype, cfg.model_dtype)

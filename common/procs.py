@@ -23,6 +23,14 @@ def pid_alive(pid: int) -> bool:
     return _state(pid) not in (None, "Z", "X")
 
 
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process (0 where it cannot be read: gone, or no /proc)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def stopped(pid: int | None) -> bool:
     """Whether a process is stopped (SIGSTOP): alive, but it will never answer."""
     return pid is not None and _state(pid) in ("T", "t")

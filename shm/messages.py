@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 # What /stats and /info show of each agent's memory and kernels.
-MEMORY_FIELDS = ("weight_bytes", "streamed_bytes", "kv_cache_bytes", "kv_cache_dtype", "activation_bytes", "kernels")
+MEMORY_FIELDS = ("weight_bytes", "streamed_bytes", "kv_cache_bytes", "kv_cache_dtype", "activation_bytes",
+                 "planned_bytes", "kernels")
 
 
 class Wire:
@@ -41,8 +42,10 @@ class AgentInfo(Wire):
     tp_rank: int = 0  # its rank in its model's tensor-parallel group
     tp_size: int = 1
     pads_cost: bool = True  # a step computes its padding up to its token bucket (False: skipped, free)
+    planned_bytes: int = 0  # its memory plan's bytes per agent (common/memory.py; 0: not planned, off CPU)
     # Filled per reply:
     pid: int = 0
+    rss_bytes: int = 0  # the process's resident memory now
     attached: bool = False
     server_pid: int | None = None
     graph_compiles: int = 0  # graphs this process has built
@@ -58,3 +61,4 @@ class StepReply(Wire):
     agent_s: float = 0.0  # the whole command on the agent, sampling included
     graph_tokens: int = 0  # the token bucket that ran it
     graph_compiles: int = 0
+    rss_bytes: int = 0  # the agent's resident memory after the step

@@ -81,7 +81,8 @@ class Engine:
             self.out.request_log.close()
 
     def health(self) -> tuple[str, str]:
-        """("ok" | "recovering" | "unhealthy", reason)."""
+        """("ok" | "degraded" | "recovering" | "unhealthy", reason); degraded still serves (an agent
+        holds more memory than its plan allows)."""
         if self.fatal:
             return "unhealthy", self.fatal
         if not self.thread.is_alive():

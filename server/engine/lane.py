@@ -7,6 +7,7 @@ engine's restart brings a new agent, or FAILED after too many restarts in a row.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ServingConfig
+from common.memory import gib
 from common.procs import Backoff, pid_alive
 from server.engine.pacing import StepPacer
 from server.scheduler import Scheduler, Sequence
@@ -24,6 +26,8 @@ from shm.step import RowInput
 from shm.messages import AgentInfo, StepReply
 from shm.link import AgentLink
 from shm.transport import AgentDead, AgentError
+
+log = logging.getLogger("llm_serving.supervisor")
 
 
 class LaneState(enum.Enum):
@@ -71,6 +75,8 @@ class AgentLane:
         self.down_since = 0.0
         self.why = ""
         self.reattach = False  # down because another client took the agent (`r`): attach again, never restart
+        self.rss_bytes = client.info.rss_bytes  # the agent's resident memory, as its last reply said
+        self.over_plan_warned = False
 
     @property
     def inflight(self) -> list[InFlight]:
@@ -141,8 +147,10 @@ class AgentLane:
         if self.ping_pending:
             reply = self.client.poll(timeout_s)
             if reply is not None:
-                if AgentInfo.from_wire(reply[0]).server_pid != os.getpid():  # `r` from another server took the agent
+                info = AgentInfo.from_wire(reply[0])
+                if info.server_pid != os.getpid():  # `r` from another server took the agent
                     raise AgentError("the agent no longer serves this server (reset by another)", E_NOT_ATTACHED)
+                self.note_rss(info.rss_bytes)
             return None
         return self.client.poll_step(timeout_s)
 
@@ -191,6 +199,23 @@ class AgentLane:
     def attach(self, client: AgentLink) -> None:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()
         self.graph_compiles = 0  # a new process
+        self.rss_bytes, self.over_plan_warned = client.info.rss_bytes, False
+
+    def note_rss(self, rss: int) -> None:
+        """The agent's resident memory from a reply; the first time it passes its plan, a warning."""
+        self.rss_bytes = rss or self.rss_bytes
+        if not self.over_plan_warned and (why := self.over_plan()):
+            self.over_plan_warned = True
+            log.warning("%s; /health says degraded", why)
+
+    def over_plan(self) -> str | None:
+        """Why this agent holds more than its memory plan by serving_config.memory_margin, or None
+        (also None where nothing was planned: off CPU, or an agent of an older version)."""
+        planned, margin = self.client.info.planned_bytes, self.cfg.memory_margin
+        if not planned or self.rss_bytes <= planned * (1 + margin):
+            return None
+        return (f"agent {self.index} holds {gib(self.rss_bytes)} resident, over its memory plan's {gib(planned)} "
+                f"by more than {margin:.0%} (serving_config.memory_margin)")
 
     def new_compiles(self, n: int) -> int:
         """Graphs the agent built since its last reply, of the `n` it has built (per process)."""
@@ -206,4 +231,4 @@ def lanes_stats(lanes: list[AgentLane]) -> dict[str, Any]:
             "agents_alive": sum(lane.live for lane in lanes),
             "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in lanes],
             "devices": [f"{lane.client.info.device}:{lane.client.info.device_id}" for lane in lanes],
-            "memory": [lane.client.info.memory() for lane in lanes]}
+            "memory": [{**lane.client.info.memory(), "rss_bytes": lane.rss_bytes} for lane in lanes]}

@@ -15,6 +15,10 @@ class Metrics:
         self.running = Gauge("llm_serving_requests_running", "Requests being generated", registry=r)
         self.kv_usage = Gauge("llm_serving_kv_cache_usage", "Fraction of KV blocks in use", ["agent"], registry=r)
         self.agents_alive = Gauge("llm_serving_agents_alive", "Live agents", registry=r)
+        self.agent_rss = Gauge("llm_serving_agent_resident_bytes", "An agent process's resident memory (RSS)",
+                               ["agent"], registry=r)
+        self.agent_planned = Gauge("llm_serving_agent_planned_bytes", "An agent's memory plan (0: none)",
+                                   ["agent"], registry=r)
         self.ttft = Histogram("llm_serving_time_to_first_token_seconds", "TTFT", buckets=_LAT, registry=r)
         self.tpot = Histogram("llm_serving_time_per_output_token_seconds", "TPOT", buckets=_LAT, registry=r)
         self.e2e = Histogram("llm_serving_e2e_request_latency_seconds", "End-to-end latency", buckets=_LAT,
@@ -48,3 +52,5 @@ class Metrics:
         self.agents_alive.set(sum(lane.live for lane in lanes))
         for lane in lanes:
             self.kv_usage.labels(str(lane.index)).set(lane.sched.blocks.usage())
+            self.agent_rss.labels(str(lane.index)).set(lane.rss_bytes)
+            self.agent_planned.labels(str(lane.index)).set(lane.client.info.planned_bytes)

@@ -100,6 +100,7 @@ class Stepper:
         self.step_count += 1
         self.step_wall_s += now - start
         self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
+        lane.note_rss(reply.rss_bytes)
         outputs = lane.client.arenas[step.slot].full.outputs
         self._scores(rows, lane.client.arenas[step.slot].full.scores)
         # A row's token is kept only for a live, sampled row whose sampling succeeded.

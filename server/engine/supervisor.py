@@ -121,7 +121,8 @@ class Supervisor:
                 return "recovering", f"agent {lane.index} restarting for {now - lane.down_since:.0f}s ({lane.why})"
             if lane.stuck(now):
                 return "unhealthy", f"agent {lane.index} step stuck for {now - lane.sent_at:.0f}s"
-        return "ok", "ok"
+        over = [why for lane in self.lanes if lane.live and (why := lane.over_plan())]
+        return ("degraded", "; ".join(over)) if over else ("ok", "ok")
 
     # ------------------------------------------------------------ restart threads
     def _restart(self, lane: AgentLane) -> None:

@@ -15,7 +15,7 @@ router = APIRouter(tags=["operations"])
 @router.get("/health")
 async def health(f: Frontend = Depends(Frontend.of)) -> JSONResponse:
     status, why = f.engine.health()
-    return JSONResponse({"status": status, "reason": why}, status_code=200 if status == "ok" else 503)
+    return JSONResponse({"status": status, "reason": why}, status_code=200 if status in ("ok", "degraded") else 503)
 
 
 @router.get("/metrics")

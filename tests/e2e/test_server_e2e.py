@@ -359,6 +359,8 @@ def test_health_and_status_endpoints(server):
     toks = httpx.post(f"{server.url}/tokenize", json={"inputs": "ab"}, timeout=10).json()
     assert [t["text"] for t in toks] == ["a", "b"]
     assert "traceEvents" in httpx.get(f"{server.url}/debug/trace", timeout=10).json()
+    mem = httpx.get(f"{server.url}/stats", timeout=10).json()["memory"][0]
+    assert 0 < mem["rss_bytes"] < mem["planned_bytes"]  # the plan holds (its runtime: 600 MiB)
 
 
 def test_kv_exhaustion_preempts_and_every_request_completes(tmp_path, tiny_model_dir):

@@ -138,3 +138,21 @@ def test_cancels_during_an_agent_restart_leak_nothing(tmp_path, tiny_model_dir):
         srv.stop()
     assert not any(os.path.exists(f"/proc/{p}") for p in agents)
     assert not [s for s in our_segments() if f"-{srv.proc.pid}-" in s]
+
+
+def test_an_agent_over_its_memory_plan_degrades_health_and_keeps_serving(tmp_path, tiny_model_dir):
+    """The plan counts 1 MiB of runtime (`runtime_memory`), so the agent is resident over it by far
+    more than `memory_margin`: /health says degraded (200) naming the agent, its RSS and its plan,
+    /metrics has both, the log warns once, and requests are still served."""
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, runtime_memory="1MiB", memory_margin=0.0))
+    try:
+        assert original_generate(srv.url, PROMPTS[0], new=4)["generated_text"]
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert "agent 0 holds" in health.json()["reason"] and "memory_margin" in health.json()["reason"]
+        rss, planned = (_metric(srv.url, f"llm_serving_agent_{k}_bytes") for k in ("resident", "planned"))
+        assert rss > planned > 0
+        assert original_generate(srv.url, PROMPTS[1], new=4)["generated_text"]
+        assert srv.log.read_text().count("/health says degraded") == 1
+    finally:
+        srv.stop()
