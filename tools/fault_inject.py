@@ -37,11 +37,12 @@ def agent_pids(server_pid: int) -> list[int]:
     return [int(p) for p in out if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
 
 
-def start_server(config: Path, log: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_server(config: Path, log: Path, timeout_s: float, *args: str) -> tuple[subprocess.Popen, str]:
+    """`llm-serving --config config *args`, ready, and its URL."""
     doc = yaml.safe_load(config.read_text())
     url = f"http://127.0.0.1:{doc['serving_config']['server_port']}"
     try:
-        proc = server_process.start_server(["--config", str(config)], log, timeout_s)
+        proc = server_process.start_server(["--config", str(config), *args], log, timeout_s)
     except RuntimeError:
         sys.exit(f"server did not start; see {log}")
     return proc, url

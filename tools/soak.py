@@ -1,6 +1,6 @@
 """Soak: mixed traffic for a fixed time while the server's and the agents' memory is sampled.
 
-    python -m tools.soak --config configs/smollm2.yaml --minutes 20 [--clients 6]
+    python -m tools.soak --config configs/smollm2.yaml --minutes 60 [--clients 6] [--dtype bfloat16] [--kinds json,n2]
 
 Starts `llm-serving` on the config (loopback), then each client thread loops over ten request
 kinds (`--kinds` picks some, to bisect growth by kind): completions greedy / seeded sampling /
@@ -8,8 +8,8 @@ logprobs / stop strings and penalties / echo with prompt logprobs / n=2 with log
 constrained to a JSON schema, TGI generate with details, and TGI streams (the client leaves one in
 five after a few events), prompts of random lengths. Every 10 s it records each process's RSS.
 Prints the curve a minute a line, requests by outcome, and each process's RSS at the end against
-its value after the warm-up (`--warmup-minutes`, 5): a flat process stays within 2%. Exit 1 on a
-request that hung or a 5xx answer.
+its value after the warm-up (`--warmup-minutes`, 5): a flat process stays within 2%; and each
+agent's against its memory plan (`/stats`). Exit 1 on a request that hung or a 5xx answer.
 """
 from __future__ import annotations
 
@@ -96,13 +96,15 @@ def main() -> int:
     ap.add_argument("--warmup-minutes", type=float, default=5.0)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", help="model_config.model_dtype (llm-serving --dtype), else the config's")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"request kinds, comma-separated (all: {','.join(KINDS)})")
     args = ap.parse_args()
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(KINDS):
         ap.error(f"unknown kinds {sorted(unknown)}; known: {KINDS}")
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
-    proc, url = start_server(Path(args.config), log, 900)
+    proc, url = start_server(Path(args.config), log, 900, *(["--dtype", args.dtype] if args.dtype else []))
+    planned = [m["planned_bytes"] / 2**20 for m in httpx.get(f"{url}/stats", timeout=30).json()["memory"]]
     pids = {"server": proc.pid, **{f"agent{i}": p for i, p in enumerate(agent_pids(proc.pid))}}
     stop, outcomes, lock = threading.Event(), collections.Counter(), threading.Lock()
 
@@ -136,6 +138,9 @@ def main() -> int:
     last = samples[-1][1]
     for n in pids:
         print(f"{n}: {base[n]:.1f} -> {last[n]:.1f} MiB after warm-up ({(last[n] / base[n] - 1) * 100:+.2f}%)")
+    for i, plan in enumerate(planned):
+        if plan:
+            print(f"agent{i} at the end: {last[f'agent{i}'] / plan * 100:.0f}% of its memory plan ({plan:.1f} MiB)")
     print("requests: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     return 1 if outcomes["hung"] or any(k.startswith("http 5") for k in outcomes) else 0
 
