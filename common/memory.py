@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, ServingConfig
-from common.model_files import ModelFiles, mindformers_yaml
+from common.model_files import ModelFiles, mindformers_yaml, unsupported_family
 
 GiB = 1 << 30
 AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
@@ -39,6 +39,8 @@ def model_shape(files: ModelFiles) -> ModelShape:
     """The model's dimensions from its config alone (config.json, GGUF metadata, MindFormers yaml)."""
     if files.kind == "hf":
         c = json.loads((files.path / "config.json").read_text())
+        if why := unsupported_family(c.get("model_type", "llama")):
+            raise ConfigError(why)
         heads = c["num_attention_heads"]
         return ModelShape(c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
                           c.get("num_key_value_heads", heads), c.get("head_dim") or c["hidden_size"] // heads,
@@ -66,6 +68,8 @@ def _gguf_shape(path: Path) -> ModelShape:
 
     f = GgufFile(path).meta
     arch = f["general.architecture"]
+    if why := unsupported_family(arch, gguf=True):
+        raise ConfigError(why)
 
     def get(key: str, default: Any = None) -> Any:
         return f.get(f"{arch}.{key}", default)

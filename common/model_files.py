@@ -10,6 +10,22 @@ from typing import Any
 import yaml
 
 DEFAULT_MODEL = "smollm2"
+# The families the agent serves (agent/weights/families.py describes each), by config.json
+# `model_type`, and the GGUF architectures that map onto them: checked first wherever a model's
+# config is read, so a foreign model is refused by name, not by a missing key.
+MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma3_text")
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+
+
+def unsupported_family(kind: str, gguf: bool = False) -> str | None:
+    """Why a config.json `model_type` (or a GGUF architecture) cannot be served, or None."""
+    if gguf:
+        return None if kind in GGUF_ARCHITECTURES else \
+            f"GGUF architecture {kind!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+    if kind in MODEL_TYPES:
+        return None
+    hint = " (the text model: Gemma3ForCausalLM, model_type gemma3_text)" if kind == "gemma3" else ""
+    return f"model_type {kind!r} is not supported{hint} (supported: {', '.join(MODEL_TYPES)})"
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,9 @@ from typing import Any
 import numpy as np
 
 from agent.model_config import ModelConfig, Weights, rope_inv_freq
-from agent.weights.gguf import ARCHITECTURES
 from agent.weights.lazy import LazyWeights
 from agent.weights.load import load_model
-from common.model_files import resolve_model
+from common.model_files import GGUF_ARCHITECTURES, resolve_model
 
 # Named shapes (SmolLM2's vocabulary): TinyLlama-1.1B and llama2-7B.
 SHAPES = {"llama-1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632),
@@ -132,7 +131,7 @@ def write_hf(out: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, dtyp
 
 # Our family -> the GGUF architecture that holds it: the loader's map inverted, and Mistral written as
 # llama with its sliding window (as llama.cpp's converter does).
-GGUF_ARCH = {family: arch for arch, family in ARCHITECTURES.items()} | {"mistral": "llama"}
+GGUF_ARCH = {family: arch for arch, family in GGUF_ARCHITECTURES.items()} | {"mistral": "llama"}
 
 
 def _gemma3_keys(writer: Any, cfg: ModelConfig) -> None:

@@ -9,12 +9,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from agent.model_config import Family, ModelConfig
+from common.model_files import MODEL_TYPES, unsupported_family
 
 
 GEMMA3 = Family("gemma3_text", qk_norm=True, sandwich_norms=True, activation="gelu_tanh", norm_offset=1.0,
                 embed_scale=True, tied_by_default=True)
 FAMILIES = {f.name: f for f in (Family("llama"), Family("mistral"), Family("ministral"), Family("qwen2", qkv_bias=True),
                                  Family("qwen3", qk_norm=True), GEMMA3)}
+assert tuple(FAMILIES) == MODEL_TYPES, "common.model_files.MODEL_TYPES names the families described here"
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ours
 ROPE_TYPES = ("default", "linear", "llama3")
 # Fields whose non-default value changes the math in a way no family here implements.
@@ -32,9 +34,8 @@ class UnsupportedModel(ValueError):
 def hf_config(c: dict[str, Any]) -> ModelConfig:
     """Our config from a transformers config.json, either layout; refuses what it cannot serve."""
     kind = c.get("model_type", "llama")
-    if kind not in FAMILIES:
-        hint = " (the text model: Gemma3ForCausalLM, model_type gemma3_text)" if kind == "gemma3" else ""
-        raise UnsupportedModel(f"model_type {kind!r} is not supported{hint} (supported: {', '.join(FAMILIES)})")
+    if why := unsupported_family(kind):
+        raise UnsupportedModel(why)
     for key, default in _REFUSED.items():
         if c.get(key) is not None and c[key] != default:
             raise UnsupportedModel(f"{kind}: {key}={c[key]!r} is not supported (only {default!r})")

@@ -16,7 +16,7 @@ from agent.weights.lazy import LazyWeights
 from agent.model_config import ModelConfig
 from agent.model.quant import from_q8_0
 from common.gguf_file import GgufFile
-from common.model_files import ModelFiles
+from common.model_files import GGUF_ARCHITECTURES, ModelFiles, unsupported_family
 
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -28,9 +28,9 @@ _LAYER = {
 _SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
              "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# GGUF architecture -> our family. llama.cpp permutes Llama's Q/K rows for its interleaved rope at
-# convert time (undone here); Qwen's and Gemma's it leaves in the rotate-half order.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF architectures map to our families in common.model_files.GGUF_ARCHITECTURES. llama.cpp permutes
+# Llama's Q/K rows for its interleaved rope at convert time (undone here); Qwen's and Gemma's it
+# leaves in the rotate-half order.
 # What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the others sliding
 # with rope base 10000; the attention scale 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B (62 layers).
 GEMMA3_PATTERN, GEMMA3_SLIDING_THETA, GEMMA3_27B_LAYERS = 6, 10000.0, 62
@@ -96,8 +96,8 @@ def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[ModelConfig, LazyW
 def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, eos: int,
             factors: tuple[float, ...] | None) -> ModelConfig:
     arch = meta["general.architecture"]
-    if arch not in ARCHITECTURES:
-        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if why := unsupported_family(arch, gguf=True):
+        raise UnsupportedModel(why)
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     scaling = a("rope.scaling.type", "none")
     if scaling not in ROPE_SCALING:
@@ -122,7 +122,7 @@ def _config(meta: dict[str, Any], untied: bool, n_vocab: int, bos: int | None, e
         rms_eps=a("attention.layer_norm_rms_epsilon"), rope_theta=a("rope.freq_base", 10000.0),
         rope_scaling={"rope_type": "linear", "factor": a("rope.scaling.factor")} if scaling == "linear" else None,
         rope_freq_factors=factors, tie_word_embeddings=not untied, max_position=a("context_length", 4096),
-        bos_token_id=bos, eos_token_ids=[eos], layer_windows=windows, **gemma, family=FAMILIES[ARCHITECTURES[arch]])
+        bos_token_id=bos, eos_token_ids=[eos], layer_windows=windows, **gemma, family=FAMILIES[GGUF_ARCHITECTURES[arch]])
 
 
 def gemma3_sliding(pattern: Any, layers: int) -> list[bool]:

@@ -152,3 +152,16 @@ def test_auto_pool_from_kv_cache_memory_via_launch_agents_and_attach(tmp_path, t
     finally:
         os.killpg(launcher.pid, signal.SIGTERM)
         launcher.wait(60)
+
+
+def test_a_foreign_model_folder_is_refused_by_its_model_type_before_the_plan_reads_it(tmp_path):
+    """A GPT-2 folder as transformers saves it (n_head, not num_attention_heads): one `config:` line
+    naming its model_type, not a KeyError from the memory plan."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768,
+                                                   "n_head": 12, "n_layer": 12, "n_positions": 1024}))
+    out = subprocess.run([sys.executable, "-m", "llm_serving.serve", "--dry-run", "--model", str(model)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "model_type 'gpt2' is not supported" in out.stderr + out.stdout and "Traceback" not in out.stderr
