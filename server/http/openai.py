@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.http.frontend import Frontend, primed, sse
 from server.http.schemas import ChatRequest, CompletionRequest
-from server.http.structured import parse_tool_calls
+from server.http.structured import CallStream
 from server.request import Delta, PromptToken
 from server.sampling_params import InvalidRequest, SamplingParams
 
@@ -64,10 +64,14 @@ async def _prompt(f: Frontend, body: CompletionRequest | ChatRequest) -> Any:
 
 
 def _message(body: CompletionRequest | ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
-    """The reply's message and finish reason: tool calls where the text is a call of the request's tools."""
-    calls = parse_tool_calls(text, body.callable_tools) if isinstance(body, ChatRequest) and body.callable_tools else None
-    if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    """The reply's message and finish reason: tool calls where the text calls the request's tools
+    (the text before a call, if any, its content: what a stream of it sends)."""
+    if isinstance(body, ChatRequest) and body.callable_tools:
+        watch = CallStream(body.callable_tools)
+        before = watch.feed(text)
+        _, calls = watch.finish()
+        if calls:
+            return {"role": "assistant", "content": before or None, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": text}, _reason(reason)
 
 
@@ -110,16 +114,16 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
 class _ChoiceStream:
     """One choice's events in a stream: its opening (the role, or the echo), the echo with the prompt's
     logprobs at its first event, then its text and logprob deltas; with tools to call, a chat reply's
-    text is held to its end and goes as one `tool_calls` delta (index, id, name, the whole arguments),
-    or as content if it is no call."""
+    text streams until a call can begin (structured.CallStream), and what follows is held to its end
+    and goes as one `tool_calls` delta (index, id, name, the whole arguments), or as content if it is
+    no call."""
 
     def __init__(self, index: int, f: Frontend, body: CompletionRequest | ChatRequest, head: dict[str, Any],
                  echo: str, want_lp: bool, echo_lp: bool):
         self.index, self.f, self.body, self.head, self.echo = index, f, body, head, echo
         self.chat = isinstance(body, ChatRequest)
-        self.hold = self.chat and bool(body.callable_tools)
+        self.calls = CallStream(body.callable_tools) if self.chat and body.callable_tools else None
         self.want_lp, self.echo_lp, self.echoed = want_lp, echo_lp, False
-        self.held: list[str] = []
 
     def _event(self, **choice: Any) -> str:
         return sse({**self.head, "choices": [{"index": self.index, **choice}]})
@@ -137,8 +141,8 @@ class _ChoiceStream:
             self.echoed = True
             lp = _logprobs(self.f, [], False, prompt_lp)
             out.append(self._event(text=self.echo, finish_reason=None, logprobs=lp))
-        if self.hold:
-            return out + self._held(d)
+        if self.calls:
+            return out + self._watched(d)
         toks = [d] if d.token_id is not None else []
         if not d.text and not d.finish_reason and not (self.want_lp and toks):
             return out
@@ -150,14 +154,19 @@ class _ChoiceStream:
             choice["text"] = d.text
         return out + [self._event(**choice)]
 
-    def _held(self, d: Delta) -> list[str]:
-        self.held.append(d.text)
+    def _watched(self, d: Delta) -> list[str]:
+        """Text while no call can have begun; at the end, the held rest as calls or as text."""
+        text = self.calls.feed(d.text)
         if not d.finish_reason:
-            return []
-        msg, reason = _message(self.body, "".join(self.held), d.finish_reason)
-        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]} \
-            if msg.get("tool_calls") else {"content": msg["content"]}
-        return [self._event(delta=delta, finish_reason=reason, logprobs=None)]
+            return [self._event(delta={"content": text}, finish_reason=None, logprobs=None)] if text else []
+        tail, calls = self.calls.finish()
+        text += tail
+        if not calls:
+            return [self._event(delta={"content": text} if text else {}, finish_reason=_reason(d.finish_reason),
+                                logprobs=None)]
+        out = [self._event(delta={"content": text}, finish_reason=None, logprobs=None)] if text else []
+        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        return out + [self._event(delta=delta, finish_reason="tool_calls", logprobs=None)]
 
 
 async def _chunks(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest, ids: list[int],

@@ -134,3 +134,42 @@ def parse_tool_calls(text: str, tools: list[Tool]) -> list[dict[str, Any]] | Non
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": obj["name"], "arguments": json.dumps(args)}})
     return calls
+
+
+TOOL_TAG = "<tool_call>"
+
+
+class CallStream:
+    """A chat reply while tools may be called (`tool_choice` auto), as vLLM's tool parsers stream
+    it: text goes out as it comes until a call can have begun (a `<tool_call>` tag, or a reply that
+    opens with `{`: a bare JSON call); from there it is held to the end, then parsed as calls, or
+    sent as text if it is none. A tail that could begin the tag waits for the next piece."""
+
+    def __init__(self, tools: list[Tool]):
+        self.tools, self.pending, self.held, self.begun = tools, "", None, False
+
+    def feed(self, text: str) -> str:
+        """The text to send now."""
+        if self.held is not None:
+            self.held += text
+            return ""
+        self.pending += text
+        head = self.pending.lstrip()
+        if not self.begun and (not head or head.startswith("{")):  # the reply's first text decides
+            if head:
+                self.held, self.pending = self.pending, ""
+            return ""
+        self.begun = True
+        at = self.pending.find(TOOL_TAG)
+        if at >= 0:
+            out, self.held, self.pending = self.pending[:at], self.pending[at:], ""
+            return out
+        keep = next((k for k in range(len(TOOL_TAG) - 1, 0, -1) if self.pending.endswith(TOOL_TAG[:k])), 0)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]] | None]:
+        """At the reply's end: (text still to send, the calls or None)."""
+        calls = parse_tool_calls(self.held, self.tools) if self.held is not None else None
+        return ("", calls) if calls else (self.pending + (self.held or ""), None)

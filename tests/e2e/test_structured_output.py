@@ -109,6 +109,18 @@ def test_required_tool_calls_parse_and_stream_the_same(server):
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
 
 
+def test_auto_tool_choice_streams_text_as_it_comes(server):
+    """tool_choice auto (the default with tools): a reply that is no call streams its text as it
+    comes, as without tools (not as one chunk at the end), and equals the reply unstreamed."""
+    c = _client(server)
+    args = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], tools=TOOLS, max_tokens=24,
+                temperature=0, extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**args).choices[0].message
+    chunks = [ch.choices[0].delta.content for ch in c.chat.completions.create(**args, stream=True)
+              if ch.choices and ch.choices[0].delta.content]
+    assert whole.tool_calls is None and "".join(chunks) == whole.content and len(chunks) > 8
+
+
 def test_constrained_rows_beside_others_through_preemption(tmp_path, tiny_model_dir):
     """Four constrained and two free requests at once on a pool that holds about one: sequences are
     preempted and recomputed (their grammars rebuilt from their outputs so far on the agent), fed
