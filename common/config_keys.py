@@ -170,6 +170,11 @@ KEYS: list[Key] = [
     Key(S, "memory_margin", "memory_margin", as_float, lambda v: v >= 0, ">= 0 (a fraction of the plan)",
         here="an agent whose resident memory passes its memory plan's bytes by this fraction turns `/health` to "
              "`degraded` (still 200) naming it, and is logged once; nothing is killed; " + SUPERVISION),
+    Key(S, "responses_store_size", "responses_store_size", as_int, lambda v: v >= 0, ">= 0 (0 keeps none)",
+        here="ours: `/v1/responses` kept in memory for `GET /v1/responses/{id}` and `previous_response_id` "
+             "(the oldest go first; `store: false` keeps none)"),
+    Key(S, "responses_ttl_s", "responses_ttl_s", as_float, lambda v: v > 0, "> 0 seconds",
+        here="ours: how long a kept response stays"),
     Key(S, "max_body_bytes", "max_body_bytes", as_int, lambda v: v >= 1024, ">= 1024", here="larger HTTP bodies get 413"),
     Key(S, "max_header_bytes", "max_header_bytes", as_int, lambda v: v >= 1024, ">= 1024",
         here="larger request headers get 431 and the connection is closed"),

@@ -1,5 +1,5 @@
-"""HTTP front-end: one FastAPI app with a router per dialect (original llm-serving, TGI, OpenAI,
-operations) over a shared Frontend. Handlers only parse, tokenize and await engine events; the
+"""HTTP front-end: one FastAPI app with a router per dialect (original llm-serving, TGI, OpenAI and
+its Responses API, operations) over a shared Frontend. Handlers only parse, tokenize and await engine events; the
 engine runs in its own thread."""
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
-from server.http import openai, ops, original, tgi
+from server.http import openai, ops, original, responses, tgi
 from server.http.api_keys import ApiKeys
 from server.http.body_limit import BodyLimit
 from server.http.errors import error_body
 from server.engine.engine import Engine
 from server.http.frontend import ApiError, Frontend
+from server.http.responses_store import ResponseStore
 from server.http.http10 import Http10Buffering
 from server.sampling_params import InvalidRequest
 from common.tokenizer import TextTokenizer
@@ -51,6 +52,7 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
         return await _api_error(request, ApiError(400, f"invalid request: {why}"))
 
     app.state.frontend = Frontend(engine, cfg, tok)  # what the routers' `Depends(Frontend.of)` returns
-    for module in (original, tgi, openai, ops):
+    app.state.responses = ResponseStore(cfg.responses_store_size, cfg.responses_ttl_s)
+    for module in (original, tgi, openai, responses, ops):
         app.include_router(module.router)
     return app

@@ -51,7 +51,7 @@ def _reason(reason: str) -> str:
     return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, "abort")
 
 
-async def _prompt(f: Frontend, body: CompletionRequest | ChatRequest) -> Any:
+async def request_prompt(f: Frontend, body: CompletionRequest | ChatRequest) -> Any:
     if isinstance(body, CompletionRequest):
         prompt = body.prompt
         return prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
@@ -63,7 +63,7 @@ async def _prompt(f: Frontend, body: CompletionRequest | ChatRequest) -> Any:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}") from None
 
 
-def _message(body: CompletionRequest | ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
+def reply_message(body: CompletionRequest | ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
     """The reply's message and finish reason: tool calls where the text calls the request's tools
     (the text before a call, if any, its content: what a stream of it sends)."""
     if isinstance(body, ChatRequest) and body.callable_tools:
@@ -86,7 +86,7 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
     f.check_model(body.model)
     chat = isinstance(body, ChatRequest)
     params = body.to_sampling_params()
-    prompt = await _prompt(f, body)
+    prompt = await request_prompt(f, body)
     ids = await f.prepare(prompt, params)
     echo = f.prompt_text(prompt, ids) if body.echo else ""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -104,7 +104,7 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
                                   "logprobs": _logprobs(f, r.tokens, chat, results[0].prompt_logprobs)
                                   if params.logprobs else None}
         if chat:
-            choice["message"], choice["finish_reason"] = _message(body, r.text, r.finish_reason)
+            choice["message"], choice["finish_reason"] = reply_message(body, r.text, r.finish_reason)
         else:
             choice["text"] = echo + r.text
         choices.append(choice)

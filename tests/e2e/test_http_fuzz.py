@@ -35,6 +35,8 @@ OPENAI = ["max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p"
           "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
           "top_logprobs", "n", "best_of", "stream", "stream_options", "priority", "response_format", "tools",
           "tool_choice", "echo"]
+RESPONSES = ["instructions", "temperature", "top_p", "stream", "store", "text", "tools", "tool_choice",
+             "previous_response_id", "metadata", "parallel_tool_calls", "truncation", "max_output_tokens"]
 PROMPTS = st.one_of(st.just("fuzz me"), st.lists(st.integers(0, 271), min_size=1, max_size=6), EXTREME)
 # Grammars: regexes and schemas that are valid, broken or hostile (nested, huge, wrong types).
 SCHEMAS = st.recursive(st.one_of(EXTREME, st.sampled_from([{"type": "object"}, {"type": "foo"}, {"enum": []},
@@ -54,13 +56,25 @@ STRUCTURED = {
     "grammar": st.one_of(EXTREME, st.fixed_dictionaries({"type": st.sampled_from(["regex", "json", "x"]),
                                                          "value": st.one_of(REGEXES, SCHEMAS)})),
 }
+STRUCTURED["text"] = st.one_of(EXTREME, st.fixed_dictionaries({"format": st.one_of(EXTREME, st.fixed_dictionaries({
+    "type": st.sampled_from(["text", "json_object", "json_schema", "x"]), "name": st.just("a"), "schema": SCHEMAS}))}))
+ITEMS = st.lists(st.one_of(EXTREME, st.fixed_dictionaries({
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]),
+    "role": st.one_of(st.sampled_from(["user", "assistant", "x"]), EXTREME), "content": st.one_of(st.text(max_size=6), EXTREME),
+    "call_id": st.one_of(st.text(max_size=4), EXTREME), "output": st.one_of(st.text(max_size=4), EXTREME)})), max_size=3)
 INNOCENT = ["innocent one", "innocent two", "innocent three"]
 
 
 @st.composite
 def requests_(draw):
-    kind = draw(st.sampled_from(["orig", "orig_stream", "orig_model", "tgi", "tgi_stream", "completions", "chat"]))
-    if kind in ("completions", "chat"):
+    kind = draw(st.sampled_from(["orig", "orig_stream", "orig_model", "tgi", "tgi_stream", "completions", "chat",
+                                 "responses"]))
+    if kind == "responses":
+        body = {"model": "tiny", "max_output_tokens": 4, "input": draw(st.one_of(st.just("hi"), EXTREME, ITEMS))}
+        for key in draw(st.lists(st.sampled_from(RESPONSES), max_size=3, unique=True)):
+            body[key] = draw(STRUCTURED.get(key, EXTREME))
+        path = "/v1/responses"
+    elif kind in ("completions", "chat"):
         body = {"model": "tiny", "max_tokens": 4}
         if kind == "chat":
             body["messages"] = draw(st.one_of(
