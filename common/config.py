@@ -72,6 +72,7 @@ class ServingConfig:
     max_agent_restarts: int = 5  # restarts in a row (no successful step between) before giving up
     recovery_deadline_s: float = 300.0  # a request waiting this long for a recovering agent fails
     memory_margin: float = 0.1  # an agent resident over its memory plan by this fraction: /health degraded
+    web_ui: bool = True  # ours: the chat page at `/`
     responses_store_size: int = 1024  # ours: /v1/responses kept in memory (previous_response_id, GET)
     responses_ttl_s: float = 3600.0  # ours: how long each is kept
     max_body_bytes: int = 8 << 20  # larger HTTP bodies get 413

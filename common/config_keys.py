@@ -170,6 +170,8 @@ KEYS: list[Key] = [
     Key(S, "memory_margin", "memory_margin", as_float, lambda v: v >= 0, ">= 0 (a fraction of the plan)",
         here="an agent whose resident memory passes its memory plan's bytes by this fraction turns `/health` to "
              "`degraded` (still 200) naming it, and is logged once; nothing is killed; " + SUPERVISION),
+    Key(S, "web_ui", "web_ui", as_bool, here="ours: a chat page at `/` (streaming chat, stop, sampling settings, "
+        "JSON mode; `--no-web-ui`: off)"),
     Key(S, "responses_store_size", "responses_store_size", as_int, lambda v: v >= 0, ">= 0 (0 keeps none)",
         here="ours: `/v1/responses` kept in memory for `GET /v1/responses/{id}` and `previous_response_id` "
              "(the oldest go first; `store: false` keeps none)"),

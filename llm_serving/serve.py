@@ -90,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
                     help="serving_config.overlap_steps: false (one step in flight at a time)")
+    ap.add_argument("--no-web-ui", dest="web_ui", action="store_false", default=None,
+                    help="serving_config.web_ui: false (no chat page at /)")
     ap.add_argument("--host", dest="server_ip")
     ap.add_argument("--port", dest="server_port", type=int)
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
-                                               "overlap_steps", "device", "device_memory") if getattr(args, k) is not None}
+                                               "overlap_steps", "web_ui", "device", "device_memory")
+                 if getattr(args, k) is not None}
     if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)
         overrides["enable_prefix_caching"] = False
     started = time.monotonic()

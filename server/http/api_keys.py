@@ -1,13 +1,14 @@
 """HTTP API keys: with keys configured (`llm-serving --api-key`, or `LLM_SERVING_API_KEY`, several
 separated by commas), every request needs `Authorization: Bearer <key>` (what OpenAI clients send),
-else 401 JSON in its dialect's error shape. `/health` stays open for probes, and `/metrics` too
-unless `--metrics-auth`. Keys are compared in constant time and never logged."""
+else 401 JSON in its dialect's error shape. `/health` stays open for probes, `/metrics` too
+unless `--metrics-auth`, and the chat page's files (GET: they hold no key; the page asks for one). Keys are compared in constant time and never logged."""
 from __future__ import annotations
 
 import hmac
 from typing import Any, Awaitable, Callable
 
 from server.http.errors import send_error
+from server.http.web import ASSETS
 
 Message = dict[str, Any]
 OPEN_PATHS = ("/health",)
@@ -35,7 +36,8 @@ class ApiKeys:
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open or self.allowed(scope.get("headers", [])):
+        page = scope.get("method") == "GET" and scope["path"] in ASSETS  # the chat page holds no key; its calls need one
+        if scope["type"] != "http" or scope["path"] in self.open or page or self.allowed(scope.get("headers", [])):
             await self.app(scope, receive, send)
             return
         await send_error(send, scope["path"], 401, "missing or wrong API key: send Authorization: Bearer <key>",

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
-from server.http import openai, ops, original, responses, tgi
+from server.http import openai, ops, original, responses, tgi, web
 from server.http.api_keys import ApiKeys
 from server.http.body_limit import BodyLimit
 from server.http.errors import error_body
@@ -55,4 +55,6 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
     app.state.responses = ResponseStore(cfg.responses_store_size, cfg.responses_ttl_s)
     for module in (original, tgi, openai, responses, ops):
         app.include_router(module.router)
+    if cfg.web_ui:
+        app.include_router(web.router)
     return app

@@ -1,0 +1,109 @@
+"""The chat page at `/` in a real browser: Debian's chromium driven by Playwright, against a real
+server that requires an API key. The page asks for the key (a message without it gets the 401),
+streams a reply equal to the API's, stops one mid-answer (the server cancels it), and JSON mode
+gives a reply that parses."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+
+from tests.e2e.test_structured_output import SCHEMA, _valid
+from tests.helpers import ServerProcess, tiny_config
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here: apt-get install chromium (README)")
+KEY = "page-test-key"
+CANCELLED = 'llm_serving_requests_finished_total{reason="cancelled"}'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("page"), tiny_model_dir, num_blocks=512, block_size=4,
+                                    decode_seq_length=1024, max_generate_length=1024), "--api-key", KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _open(browser, server, key: str | None = KEY):
+    page = browser.new_page()
+    page.goto(server.url + "/")
+    sync_api.expect(page.locator("#key-box")).to_be_visible()  # the page holds no key: it asks
+    if key:
+        page.fill("#key", key)
+        page.click("#key-box button")
+        sync_api.expect(page.locator("#model")).to_have_text("tiny")
+    return page
+
+
+def _open_settings(page) -> None:
+    if page.locator("#settings").get_attribute("open") is None:
+        page.click("#settings summary")
+
+
+def _send(page, text: str, **settings: str) -> None:
+    if settings:
+        _open_settings(page)
+    for field, value in settings.items():
+        page.fill(f"#{field}", value)
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
+
+
+def test_without_the_key_the_page_asks_for_it_and_shows_the_401(browser, server):
+    page = _open(browser, server, key=None)
+    sync_api.expect(page.locator("#key-status")).to_contain_text("needs an API key")
+    _send(page, "hello")
+    sync_api.expect(page.locator(".msg.assistant.error")).to_contain_text("401")
+    page.close()
+
+
+def test_a_reply_streams_in_and_equals_the_api_s(browser, server):
+    page = _open(browser, server)
+    _send(page, "hello", temperature="0", max_tokens="24")
+    sync_api.expect(page.locator(".stats")).to_contain_text("TTFT")  # written when the stream has ended
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 24, "temperature": 0}
+    want = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60).json()["choices"][0]["message"]["content"]
+    assert page.locator(".msg.assistant").inner_text() == want
+    page.close()
+
+
+def test_stop_mid_answer_cancels_it_on_the_server(browser, server):
+    page = _open(browser, server)
+    before = _metric(server, CANCELLED)
+    _send(page, "tell me everything", temperature="0", max_tokens="950")
+    # text has arrived while the answer still runs (the stop button is live): streamed, not all at the end
+    page.wait_for_function("document.querySelector('.msg.assistant').textContent.length > 0 && "
+                           "!document.getElementById('stop').disabled")
+    page.click("#stop")
+    sync_api.expect(page.locator(".stats")).to_contain_text("stopped")
+    page.wait_for_function(f"fetch('/metrics').then(r => r.text()).then(t => t.includes('{CANCELLED} {before + 1}'))")
+    page.close()
+
+
+def test_json_mode_gives_a_reply_that_parses(browser, server):
+    page = _open(browser, server)
+    _open_settings(page)
+    page.check("#json_mode")
+    page.fill("#schema", json.dumps(SCHEMA))
+    _send(page, "a colour please", max_tokens="300")
+    sync_api.expect(page.locator(".stats")).to_contain_text("TTFT")
+    assert _valid(json.loads(page.locator(".msg.assistant").inner_text()))
+    page.close()
