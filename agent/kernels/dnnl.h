@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 extern "C" {
 typedef struct dnnl_engine *dnnl_engine_t;
@@ -94,6 +95,15 @@ inline int64_t row_bucket(int64_t m) {
 inline std::atomic<int64_t> &primitives_built() {
   static std::atomic<int64_t> count{0};
   return count;
+}
+
+// The scratchpad of the primitive a thread runs now: one buffer per thread, as large as the largest
+// any of its primitives asked for (a thread runs one at a time). A buffer per cached primitive made
+// the scratchpads' sum grow with every step shape kept.
+inline void *thread_scratchpad(size_t bytes) {
+  thread_local std::vector<char> pad;
+  if (pad.size() < bytes) pad.resize(bytes);
+  return pad.data();
 }
 
 // The process's one CPU engine.

@@ -167,11 +167,12 @@ const Layout *layout(int64_t k, int64_t n) {
   return l.md ? &l : nullptr;
 }
 
-// One primitive per (thread, step shape), built on first use (warm-up) with its memories and scratchpad.
+// One primitive per (thread, step shape), built on first use with its memories; the scratchpad is
+// the thread's (dnnl.h).
 struct Matmul {
   dnnl_primitive_t prim = nullptr;
   dnnl_memory_t src = nullptr, wei = nullptr, dst = nullptr, scales = nullptr, scratch = nullptr;
-  std::vector<char> pad;
+  size_t pad_bytes = 1;
   ~Matmul() {
     for (dnnl_memory_t mem : {src, wei, dst, scales, scratch})
       if (mem) dnnl_memory_destroy(mem);
@@ -186,7 +187,7 @@ std::unique_ptr<Matmul> build(int64_t m, int64_t k, int64_t n) {
   auto mm = std::make_unique<Matmul>();
   dnnl_engine_t eng = kernels::cpu_engine();
   const_dnnl_memory_desc_t spm = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
-  mm->pad.resize(std::max<size_t>(1, dnnl_memory_desc_get_size(spm)));
+  mm->pad_bytes = std::max<size_t>(1, dnnl_memory_desc_get_size(spm));
   dnnl_dims_t nd = {n};
   Desc src(plain(m, k, dnnl_s8)), dst(plain(m, n, dnnl_f32)), sc(nullptr);
   dnnl_memory_desc_create_with_tag(&sc.md, 1, nd, dnnl_f32, dnnl_a);
@@ -195,7 +196,7 @@ std::unique_ptr<Matmul> build(int64_t m, int64_t k, int64_t n) {
                   dnnl_memory_create(&mm->wei, l->md, eng, nullptr) == dnnl_success &&
                   dnnl_memory_create(&mm->dst, dst.md, eng, nullptr) == dnnl_success &&
                   dnnl_memory_create(&mm->scales, sc.md, eng, nullptr) == dnnl_success &&
-                  dnnl_memory_create(&mm->scratch, spm, eng, mm->pad.data()) == dnnl_success;
+                  dnnl_memory_create(&mm->scratch, spm, eng, kernels::thread_scratchpad(mm->pad_bytes)) == dnnl_success;
   dnnl_primitive_desc_destroy(pd);
   return ok ? std::move(mm) : nullptr;
 }
@@ -226,6 +227,7 @@ int kernels::int8_channel_matmul(const int8_t *x, int64_t m, int64_t k, const vo
   dnnl_memory_set_data_handle(mm->wei, const_cast<void *>(w));
   dnnl_memory_set_data_handle(mm->dst, y);
   dnnl_memory_set_data_handle(mm->scales, const_cast<float *>(ws));
+  dnnl_memory_set_data_handle(mm->scratch, kernels::thread_scratchpad(mm->pad_bytes));
   const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, mm->src}, {DNNL_ARG_WEIGHTS, mm->wei}, {DNNL_ARG_DST, mm->dst},
                                   {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, mm->scales},
                                   {DNNL_ARG_SCRATCHPAD, mm->scratch}};

@@ -203,11 +203,11 @@ int convert_blocks(const float *x, int64_t m, int64_t k, int64_t n, const typena
 
 // One batched bf16 matmul per (thread, shape): src [1, M, K] bf16 broadcast over the batch, weights
 // [blocks, K, NB], dst [blocks, M, NB] written into y's columns. Primitives are built on first use
-// and kept per thread (each thread also owns its stream and scratchpad: no locks).
+// and kept per thread (each thread also owns its stream and scratchpad, dnnl.h: no locks).
 struct Dnnl {
   dnnl_primitive_t prim = nullptr;
   dnnl_memory_t src = nullptr, wei = nullptr, dst = nullptr, scratch = nullptr;
-  std::vector<char> pad;
+  size_t pad_bytes = 1;
   std::string impl;
 };
 
@@ -238,10 +238,10 @@ std::unique_ptr<Dnnl> build(int dt, int64_t m, int64_t k, int64_t blocks, int64_
     dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name);
     d->impl = name ? name : "";
     const_dnnl_memory_desc_t spm = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
-    d->pad.resize(std::max<size_t>(1, dnnl_memory_desc_get_size(spm)));
+    d->pad_bytes = std::max<size_t>(1, dnnl_memory_desc_get_size(spm));
     bool ok = dnnl_primitive_create(&d->prim, pd) == dnnl_success && dnnl_memory_create(&d->src, sm, eng, nullptr) == 0 &&
               dnnl_memory_create(&d->wei, wm, eng, nullptr) == 0 && dnnl_memory_create(&d->dst, dm, eng, nullptr) == 0 &&
-              dnnl_memory_create(&d->scratch, spm, eng, d->pad.data()) == 0;
+              dnnl_memory_create(&d->scratch, spm, eng, kernels::thread_scratchpad(d->pad_bytes)) == 0;
     if (!ok) d.reset();
     dnnl_primitive_desc_destroy(pd);
   }
@@ -281,6 +281,7 @@ int dnnl_blocks(int dt, const void *x, int64_t m, int64_t k, int64_t n, const vo
   dnnl_memory_set_data_handle(d->src, const_cast<void *>(x));
   dnnl_memory_set_data_handle(d->wei, const_cast<char *>(static_cast<const char *>(w) + b * k * NB * size));
   dnnl_memory_set_data_handle(d->dst, y + b * NB);
+  dnnl_memory_set_data_handle(d->scratch, kernels::thread_scratchpad(d->pad_bytes));
   const dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, d->src}, {DNNL_ARG_WEIGHTS, d->wei}, {DNNL_ARG_DST, d->dst},
                                   {DNNL_ARG_SCRATCHPAD, d->scratch}};
   if (dnnl_primitive_execute(d->prim, stream, 4, args) != dnnl_success) return 1;
