@@ -49,6 +49,7 @@ class ModelRunner:
         if grammar_tokenizer is not None:
             self.seqs.grammars = Grammars(grammar_tokenizer, model_cfg.vocab_size, lib)
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
+        self.warmed: set[tuple[int, int, int]] = set()  # graph shapes warm-up ran (their buffers exist)
 
     @property
     def graph_compiles(self) -> int:
@@ -151,14 +152,20 @@ class ModelRunner:
     def warmup(self) -> None:
         """Build every graph a step can run (one per token bucket) before traffic, in a fixed order:
         a compile under traffic stalls its step for seconds. Graphs load from the on-disk cache when
-        it is warm; none is ever built after this."""
+        it is warm; none is ever built after this. Where the model skips a step's padding (the stack
+        op), each graph also runs once, all padding (one token computed): MindSpore allocates a
+        graph's buffers at its first run, and under traffic those first runs grew the agent for
+        minutes after ready (issue 68, docs/perf-notes.md)."""
         shapes = self.rc.graph_shapes()
         start = time.monotonic()
         for i, (t, r, s) in enumerate(shapes, 1):
             t0 = time.monotonic()
             z = np.zeros(t, np.int32)
-            self._run(z, z, z, np.full(t, r - 1, np.int32), np.zeros((r, self.rc.width), np.int32),
-                      np.zeros(s, np.int32), compile_only=True)
+            args = (z, z, z, np.full(t, r - 1, np.int32), np.zeros((r, self.rc.width), np.int32), np.zeros(s, np.int32))
+            self._run(*args, compile_only=True)
+            if self.model.one_op_stack:
+                self._run(*args)
+                self.warmed.add((t, r, s))
             log.debug("graph %d/%d (%d tokens, %d rows, %d sampled) %.1fs", i, len(shapes), t, r, s,
                       time.monotonic() - t0)
             if i == len(shapes) // 2:  # progress in one line (each graph's own at DEBUG)

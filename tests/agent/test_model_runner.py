@@ -221,6 +221,13 @@ def test_steps_of_one_row_bucket_share_their_onednn_primitives(runner16, tiny_we
     assert np.abs(first[0][0] - ref).max() <= LOGIT_TOL
 
 
+def test_warmup_runs_every_graph_once(runner16):
+    """Warm-up runs each graph once (all padding) after building it: MindSpore allocates a graph's
+    buffers at its first run, which would otherwise come under traffic, after ready (issue 68)."""
+    assert runner16.model.one_op_stack
+    assert runner16.warmed == set(runner16.rc.graph_shapes())
+
+
 def test_graph_set_is_two_graphs_per_large_token_bucket():
     rc = RunnerConfig(num_blocks=64, block_size=16, max_model_len=1024, token_buckets=[128, 1, 16, 256, 64],
                       max_running=64)
