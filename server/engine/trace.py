@@ -13,7 +13,7 @@ from typing import Any
 KEEP = 2000  # steps kept
 
 
-@dataclass
+@dataclass(slots=True)  # KEEP of them live: no per-record __dict__
 class StepRecord:
     agent: int
     kind: str  # "prefill" (some row carries prompt tokens) or "decode"

@@ -146,6 +146,7 @@ def test_auto_pool_from_kv_cache_memory_via_launch_agents_and_attach(tmp_path, t
             mem = httpx.get(f"{srv.url}/stats").json()["memory"][0]
             assert mem["kv_cache_bytes"] == 100 * per_block and mem["kv_cache_dtype"] == "float32"
             assert 0 < mem["streamed_bytes"] < mem["weight_bytes"] and mem["activation_bytes"] > 0
+            assert mem.pop("rss_bytes") > 0  # /stats has it now; /info has what the agent said at attach
             assert httpx.get(f"{srv.url}/info").json()["agents"] == [mem]
         finally:
             srv.stop()
