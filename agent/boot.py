@@ -10,6 +10,7 @@ from agent.model.calibrate import CALIBRATION_TEXT
 from agent.model_config import ModelConfig
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig, compile_cache_key
+from agent.spec import proposer_for
 from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.config import ConfigError, ServingConfig
@@ -51,7 +52,8 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
     tok = load_tokenizer(files, cfg.tokenizer_path)
     # The ranks of a group sample alike: one seed per replica.
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp,
-                         calibration=tok.encode(CALIBRATION_TEXT) if int8 else None, grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size))
+                         calibration=tok.encode(CALIBRATION_TEXT) if int8 else None,
+                         grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size), proposer=proposer_for(cfg))
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,
@@ -72,7 +74,8 @@ def _agent_info(cfg: ServingConfig, files: ModelFiles, model_cfg: ModelConfig, r
                      activation_estimate(model_cfg, cfg), runner.kernel_paths,
                      launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
                      tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack,
-                     planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0)
+                     planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0,
+                     speculative=runner.seqs.proposer.method if runner.seqs.proposer is not None else "")
 
 
 def activation_estimate(model_cfg: ModelConfig, cfg: ServingConfig) -> int:

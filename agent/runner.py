@@ -18,6 +18,7 @@ from agent.runner_config import RunnerConfig, bucket, graph_for, logit_positions
 from agent.grammar import Grammars
 from agent.sampling import sample, score
 from agent.sequences import SequenceState
+from agent.spec.verify import heads, verify, without_unfilled, write_drafts
 from agent.tensor_parallel import shard
 from common.memory import kv_dtype_for
 from shm.step import StepInputs, StepOutputs, StepView
@@ -27,9 +28,10 @@ log = logging.getLogger("llm_serving.agent")
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: dict[str, Any], rc: RunnerConfig, seed: int = 0,
-                 calibration: list[int] | None = None, grammar_tokenizer: Any = None):
+                 calibration: list[int] | None = None, grammar_tokenizer: Any = None, proposer: Any = None):
         """`calibration`: token ids of agent.model.calibrate.CALIBRATION_TEXT (int8 smoothing);
-        `grammar_tokenizer`: common.grammar.ll_tokenizer's, for constrained decoding."""
+        `grammar_tokenizer`: common.grammar.ll_tokenizer's, for constrained decoding; `proposer`:
+        what drafts the rows that ask for drafts (agent/spec/), else they get none."""
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
@@ -45,7 +47,7 @@ class ModelRunner:
         self.model = DecoderModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.graph = GraphCall(self.model)
         self.rng = np.random.default_rng(seed)
-        self.seqs = SequenceState()
+        self.seqs = SequenceState(proposer)
         if grammar_tokenizer is not None:
             self.seqs.grammars = Grammars(grammar_tokenizer, model_cfg.vocab_size, lib)
         self.compiled: set[tuple[int, int, int]] = set()  # graph shapes built in this process
@@ -107,38 +109,76 @@ class ModelRunner:
         starts = row_starts(x.query_lens, x.tokens.shape[0])
         tokens, unfed = self.seqs.feed(x, starts)
         self.seqs.track(x, tokens, v.sampling, starts)
+        drafted, first = None, None
+        if x.spec_len.any():  # drafts in, their empty slots out (each row's draft slots start at `first`)
+            drafted, first = self.seqs.draft(x, tokens, starts, unfed), np.cumsum(x.spec_len) - x.spec_len
+            x, tokens = without_unfilled(x, tokens, starts, drafted)
+            starts = row_starts(x.query_lens, x.tokens.shape[0])
         t0 = time.perf_counter()
         logits, lse = self.forward(x, tokens)
         elapsed = time.perf_counter() - t0
         writes = self.rc.tp.rank == 0  # every rank samples alike (the same logits and seed); rank 0 writes
         rows = sampled_rows(x.sample)
         if writes:  # from the logits as the model gave them: penalties and masks change them in place
-            self._score_and_dump(v, tokens, starts, logits, lse, rows)
-        if x.sample.any():
+            self._score_and_dump(v, x, tokens, starts, logits, lse, rows)
+        if drafted is not None:
+            self._verify(v, x, tokens, starts, logits, lse, unfed, first, writes)
+        elif x.sample.any():
             res = self._sample(v, logits[rows], lse[rows], rows, unfed)
             if writes:
                 write_samples(v.outputs, rows, res)
+                v.outputs.drafted[:] = v.outputs.accepted[:] = 0
         return elapsed
 
-    def _score_and_dump(self, v: StepView, tokens: np.ndarray, starts: np.ndarray, logits: np.ndarray,
-                        lse: np.ndarray, rows: slice | np.ndarray) -> None:
+    def _verify(self, v: StepView, x: StepInputs, tokens: np.ndarray, starts: np.ndarray, logits: np.ndarray,
+                lse: np.ndarray, unfed: np.ndarray, first: np.ndarray, writes: bool) -> None:
+        """A step with drafts (`x`: its filled draft slots only): every sampled row sampled position
+        by position while its drafts hold (agent/spec/verify.py); the kept drafts join the
+        sequences' histories."""
+        rows = np.nonzero(x.sample)[0]
+        spec = x.spec_len[rows]
+        head = heads(logit_positions(x, starts), x.tokens.shape[0], (starts + x.query_lens - 1)[rows], spec)
+        width = int(spec.max(initial=0))
+        slot = starts[rows, None] + 1 + np.arange(width)[None, :]
+        drafts = np.where(np.arange(width)[None, :] < spec[:, None], tokens[np.minimum(slot, tokens.size - 1)], -1)
+        n_top = int(v.sampling.n_logprobs[rows].max(initial=0))
+
+        def sample_pass(lg: np.ndarray, ls: np.ndarray, at: np.ndarray, j: int) -> StepOutputs:
+            return self._sample(v, lg, ls, at, unfed if j == 0 else np.zeros_like(unfed), offset=j)
+
+        def kept_fn(at: np.ndarray, ids: np.ndarray) -> None:
+            for r, t in zip(at.tolist(), ids.tolist()):
+                self.seqs.accept(int(x.seq_ids[r]), [t])
+
+        final, accepted, kept = verify(sample_pass, kept_fn, logits, lse, rows, head, drafts, spec, n_top)
+        if writes:
+            write_samples(v.outputs, rows, final)
+            v.outputs.drafted[:], v.outputs.accepted[:] = x.spec_len, 0
+            v.outputs.accepted[rows] = accepted
+            write_drafts(v.drafts, first[rows], accepted, kept)
+
+    def _score_and_dump(self, v: StepView, x: StepInputs, tokens: np.ndarray, starts: np.ndarray,
+                        logits: np.ndarray, lse: np.ndarray, rows: slice | np.ndarray) -> None:
         """Prompt logprobs, and the contest's precision files (--dump-logits)."""
-        x = v.inputs
         if v.scores.score_logprobs.size:
             score(x, v.sampling, starts, logit_positions(x, starts), logits, lse, v.scores)
         if self.seqs.dump is not None:
             self.seqs.write_dump(x, tokens, starts, logits[rows], rows)
 
     def _sample(self, v: StepView, logits: np.ndarray, lse: np.ndarray, rows: slice | np.ndarray,
-                unfed: np.ndarray) -> StepOutputs:
+                unfed: np.ndarray, offset: int = 0) -> StepOutputs:
         """The sampled rows' tokens under their grammars' masks; a row whose input was unknown or whose
-        grammar is in error gets -1 (it fails, its neighbours go on)."""
+        grammar is in error gets -1 (it fails, its neighbours go on). `offset`: the position within
+        rows being verified (their output so far is that many tokens longer)."""
         seq_ids = v.inputs.seq_ids[rows]
         hist = [self.seqs.history(int(s)) for s in seq_ids]
         g = self.seqs.grammars
         constrained = g.constrained(seq_ids) if g is not None else []
         failed = g.mask(logits, constrained) if constrained else None
-        res = sample(logits, lse, v.sampling.take(rows), hist, self.rng)
+        cols = v.sampling.take(rows)
+        if offset:
+            cols.output_len = cols.output_len + offset
+        res = sample(logits, lse, cols, hist, self.rng)
         res.ids[unfed[rows]] = -1
         if constrained:
             res.ids[failed] = -1

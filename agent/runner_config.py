@@ -103,10 +103,15 @@ def graph_for(x: StepInputs, rc: RunnerConfig) -> tuple[int, int]:
 
 def logit_positions(x: StepInputs, starts: np.ndarray) -> np.ndarray:
     """Token indices the LM head runs on: every row's last token, then the scored tokens (prompt
-    logprobs) that are not a row's last."""
+    logprobs) that are not a row's last, then the verified tokens of rows with drafts (the fed one
+    and every draft but the last)."""
     last = starts + x.query_lens - 1
     scored = np.nonzero(x.targets >= 0)[0]
-    return np.concatenate([last, np.setdiff1d(scored, last)]) if scored.size else last
+    out = np.concatenate([last, np.setdiff1d(scored, last)]) if scored.size else last
+    spec = np.nonzero(x.spec_len)[0]
+    if spec.size:
+        out = np.concatenate([out, *(np.arange(starts[r], starts[r] + x.spec_len[r]) for r in spec)])
+    return out
 
 
 def row_starts(qlens: np.ndarray, n_tokens: int) -> np.ndarray:

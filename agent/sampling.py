@@ -98,6 +98,8 @@ def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float
     vocab = probs.size
     if 0 < top_k < vocab:
         cand = np.argpartition(-probs, top_k - 1)[:top_k]
+    elif (top_p < 1.0 or min_p > 0) and vocab <= TOP_P_CANDIDATES:
+        cand = np.arange(vocab)
     elif top_p < 1.0 or min_p > 0:
         cand = np.argpartition(-probs, TOP_P_CANDIDATES - 1)[:TOP_P_CANDIDATES]
         if probs[cand].sum() < top_p:  # rare: flat distribution, fall back to the exact full set

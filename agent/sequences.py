@@ -1,6 +1,7 @@
 """What the agent remembers of each sequence between steps: its last sample (the input of a fed
-`a` row), its token history (for penalties), its grammar's matcher (agent/grammar.py) and its
-precision-file name (--dump-logits)."""
+`a` row), its token history (for penalties, and for every sequence where the agent drafts: its
+proposer reads it), its grammar's matcher (agent/grammar.py) and its precision-file name
+(--dump-logits)."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,12 +14,32 @@ from agent.sampling import needs_penalty
 from shm.step import SamplingColumns, StepInputs
 
 
-class SequenceState:
+class TokenLog:
+    """A sequence's fed tokens in a growing int32 buffer: appends amortised, reads are views."""
+    __slots__ = ("buf", "n")
+
     def __init__(self) -> None:
-        self.histories: dict[int, list[int]] = {}  # token history of rows that use penalties
+        self.buf, self.n = np.empty(64, np.int32), 0
+
+    def extend(self, tokens: np.ndarray | list[int]) -> None:
+        end = self.n + len(tokens)
+        if end > self.buf.size:
+            self.buf = np.concatenate([self.buf[:self.n], np.empty(max(end, 2 * self.buf.size) - self.n, np.int32)])
+        self.buf[self.n:end] = tokens
+        self.n = end
+
+    def view(self) -> np.ndarray:
+        return self.buf[:self.n]
+
+
+class SequenceState:
+    def __init__(self, proposer: Any = None) -> None:
+        """`proposer`: drafts tokens for rows with `spec` (agent/spec/); then every sequence's history is kept."""
+        self.histories: dict[int, TokenLog] = {}  # fed tokens of rows that use penalties (all, with a proposer)
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
         self.dump = LogitsDump.from_env()  # the contest's raw-logit precision files (--dump-logits)
         self.grammars: Grammars | None = None  # set by the agent's boot where the tokenizer is at hand
+        self.proposer = proposer
 
     def free(self, seqs: list[int]) -> None:
         for seq in seqs:
@@ -59,17 +80,37 @@ class SequenceState:
         self.last.update(zip(seq_ids.tolist(), ids.tolist()))
 
     def track(self, x: StepInputs, tokens: np.ndarray, cols: SamplingColumns, starts: np.ndarray) -> None:
-        """Penalties need every token a sequence has fed; a chunk starting at position 0 restarts it."""
-        for r in np.nonzero(needs_penalty(cols))[0]:
-            s, q = starts[r], x.query_lens[r]
+        """Penalties and proposers need every token a sequence has fed (a row's drafts join once
+        accepted: `accept`); a chunk starting at position 0 restarts it."""
+        rows = range(x.query_lens.shape[0]) if self.proposer is not None else np.nonzero(needs_penalty(cols))[0]
+        for r in rows:
+            s, q = starts[r], x.query_lens[r] - x.spec_len[r]
             seq = int(x.seq_ids[r])
-            if x.positions[s] == 0:
-                self.histories[seq] = []
-            self.histories.setdefault(seq, []).extend(tokens[s:s + q].tolist())
+            if x.positions[s] == 0 or seq not in self.histories:
+                self.histories[seq] = TokenLog()
+            self.histories[seq].extend(tokens[s:s + q])
+
+    def accept(self, seq: int, drafts: np.ndarray) -> None:
+        """Drafts verified and kept: fed tokens now (their K/V stay in the cache)."""
+        if seq in self.histories:
+            self.histories[seq].extend(drafts)
+
+    def draft(self, x: StepInputs, tokens: np.ndarray, starts: np.ndarray, unfed: np.ndarray) -> np.ndarray:
+        """Fill each drafting row's draft slots in `tokens` (after `track` took its fed token) with its
+        proposer's drafts; returns how many each row got (the rest stay placeholders, never accepted)."""
+        drafted = np.zeros(x.spec_len.shape[0], np.int32)
+        for r in np.nonzero(x.spec_len)[0]:
+            log = self.histories.get(int(x.seq_ids[r]))
+            if self.proposer is None or unfed[r] or log is None:
+                continue
+            d = self.proposer.propose(log.view(), int(x.spec_len[r]))
+            tokens[starts[r] + 1:starts[r] + 1 + d.size] = d
+            drafted[r] = d.size
+        return drafted
 
     def history(self, seq: int) -> np.ndarray | None:
         h = self.histories.get(seq)
-        return None if h is None else np.asarray(h, np.int64)
+        return None if h is None else h.view()
 
     def write_dump(self, x: StepInputs, tokens: np.ndarray, starts: np.ndarray, logits: np.ndarray,
                    rows: Any) -> None:

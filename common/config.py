@@ -5,6 +5,7 @@ Pure Python (no mindspore): both the server and the agents read it.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from common.config_keys import KEYS, notices
+from common.config_keys import KEYS, SECTIONS, SPEC_METHODS, notices
 from common.cpu import isa_cap
 from common.config_values import WHAT
 
@@ -98,6 +99,12 @@ class ServingConfig:
     tokenizer_path: str | None = None
     chat_template: str | None = None  # a Jinja chat template or a file holding one; None: the model's own
     compile_cache_dir: str = ".cache/mindspore"
+    # speculative_config (vLLM's names): None = off
+    spec_method: str | None = None
+    spec_tokens: int = 8
+    spec_lookup_min: int = 2
+    spec_lookup_max: int = 4
+    spec_max_batch: int = 16
     source: Path | None = None
     notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)
 
@@ -198,6 +205,25 @@ def bucket_ladder(sizes: list[int]) -> list[int]:
     return sorted(set(out) | {1})
 
 
+def speculative_overrides(text: str) -> dict[str, Any]:
+    """`--speculative-config` (vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 4, ...}) as
+    ServingConfig overrides, read as the YAML's speculative_config section is."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError("--speculative-config: a JSON object of speculative_config keys")
+    rows = {k.key: k for k in KEYS if k.section == "speculative_config"}
+    unknown = sorted(set(doc) - set(rows))
+    if unknown:
+        raise ConfigError(f"--speculative-config: unknown keys {unknown} (known: {sorted(rows)})")
+    try:
+        return {rows[key].attr: rows[key].read(value) for key, value in doc.items() if value is not None}
+    except (TypeError, ValueError):
+        raise ConfigError(f"--speculative-config {text}: a value is not of its key's type") from None
+
+
 class ConfigError(ValueError):
     """A config that cannot be served: one line naming the key, its value and what is allowed."""
 
@@ -224,6 +250,12 @@ def _check_together(c: ServingConfig) -> None:
     if c.tensor_parallel_size > 1 and c.model_dtype == "int8":
         raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype int8: "
                           "tensor parallelism runs float32, bfloat16 or float16 weights")
+    if c.spec_method is not None and c.spec_method not in SPEC_METHODS:
+        raise ConfigError(f"speculative_config.method = {c.spec_method!r}: this server drafts with "
+                          f"{', '.join(SPEC_METHODS)} (prompt lookup on the agent); {c.spec_method} is not served")
+    if c.spec_lookup_min > c.spec_lookup_max:
+        raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
+                          f"({c.spec_lookup_max})")
     if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:
         raise ConfigError(f"pa_config: {c.num_blocks - 1} usable blocks x block_size {c.block_size} hold "
                           f"{(c.num_blocks - 1) * c.block_size} tokens, less than one sequence of "
@@ -281,7 +313,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     """The serving config of a YAML file (None: the defaults), with `overrides` by attribute.
     Raises ConfigError with one line naming the key, its value and what is allowed."""
     doc = read_yaml(path) if path else {}
-    sections = {name: _section(doc, name) for name in ("model_config", "serving_config", "pa_config", "tokenizer")}
+    sections = {name: _section(doc, name) for name in SECTIONS}
     c = ServingConfig()
     c.source = Path(path) if path else None
     c.notices = notices(doc)

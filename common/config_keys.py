@@ -16,7 +16,8 @@ from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTY
                                   parse_bytes, port_ok)
 
 
-SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer")
+SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer", "speculative_config")
+SPEC_METHODS = ("ngram",)  # served; vLLM's others are refused by name (common.config._check_together)
 # Whole sections accepted and not needed here, with why.
 IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
                     for name in ("basic_inputs", "extra_inputs", "warmup_inputs")}
@@ -39,7 +40,7 @@ class Key:
         return f"{self.section}.{self.key}"
 
 
-M, S, P, T = "model_config", "serving_config", "pa_config", "tokenizer"
+M, S, P, T, X = "model_config", "serving_config", "pa_config", "tokenizer", "speculative_config"
 SUPERVISION = "supervision (README, \"Failures\")"
 KEYS: list[Key] = [
     # ---------------------------------------------------------------- model_config
@@ -223,6 +224,22 @@ KEYS: list[Key] = [
         here="ours: a Jinja chat template, or a file holding one, used instead of the model's own (as vLLM's "
              "`--chat-template`); a model without one (Gemma 3 270M's GGUF: configs/gemma3-270m.yaml) otherwise "
              "chats as `role: content` lines"),
+    # ---------------------------------------------------------------- speculative_config (vLLM's names)
+    Key(X, "method", "spec_method", lower,
+        here="ours: speculative decoding (`--speculative-config '{\"method\": \"ngram\"}'`): `ngram` drafts each "
+             "decode's next tokens from the sequence's own prompt and output on the agent (prompt lookup) and "
+             "verifies them in the same step, exactly (greedy and seeded output token for token as without; "
+             "docs/protocol.md). Unset: off. vLLM's other methods (`draft_model`, `eagle`, ...) are refused by name"),
+    Key(X, "num_speculative_tokens", "spec_tokens", as_int, lambda v: 1 <= v <= 16, "in [1, 16]",
+        here="most drafts per decode (k); each sequence's own k adapts to its acceptance and falls to 0 where "
+             "nothing is proposed or accepted"),
+    Key(X, "prompt_lookup_min", "spec_lookup_min", as_int, lambda v: v >= 1, ">= 1",
+        here="shortest suffix (tokens) the n-gram proposer looks up"),
+    Key(X, "prompt_lookup_max", "spec_lookup_max", as_int, lambda v: v >= 1, ">= 1 (and >= prompt_lookup_min)",
+        here="longest suffix it looks up first"),
+    Key(X, "disable_by_batch_size", "spec_max_batch", as_int, lambda v: v >= 0, ">= 0",
+        here="no drafts in a step with more running sequences than this (0: no limit): a large batch is bound by "
+             "compute, where a rejected draft costs a token's work"),
 ]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.logits_dump import ENV_DIR, ENV_EVERY
-from common.config import ConfigError, ServingConfig, load_config
+from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
 from common.procs import Backoff
 from llm_serving.agents import AgentStartError, respawn_group, start_agents, stop_agents
 from shm.curve import INSECURE_ENV
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--insecure", action="store_true", help="let agents listen on plain tcp beyond loopback "
                     "without CURVE keys (warned about at every start)")
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
+    ap.add_argument("--speculative-config", metavar="JSON", help="speculative_config as vLLM's JSON (as llm-serving's)")
     args = ap.parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                                    ("agent_bind", args.bind),
                                    ("device", args.device)) if v}
     try:
+        if args.speculative_config:
+            overrides.update(speculative_overrides(args.speculative_config))
         cfg = load_config(args.config, **overrides)
     except ConfigError as exc:
         log.error("config: %s", exc, exc_info=args.verbose)

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from common.config import ConfigError, ServingConfig, load_config
+from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
 from common.config_values import parse_bytes
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
@@ -90,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
                     help="serving_config.overlap_steps: false (one step in flight at a time)")
+    ap.add_argument("--speculative-config", metavar="JSON", help="speculative_config as vLLM's JSON, e.g. "
+                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/config.md)")
     ap.add_argument("--no-web-ui", dest="web_ui", action="store_false", default=None,
                     help="serving_config.web_ui: false (no chat page at /)")
     ap.add_argument("--host", dest="server_ip")
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["enable_prefix_caching"] = False
     started = time.monotonic()
     try:
+        if args.speculative_config:
+            overrides.update(speculative_overrides(args.speculative_config))
         cfg = configure(args, overrides)
     except (ConfigError, ValueError) as exc:
         return start_failed(f"config: {exc}", args.verbose)

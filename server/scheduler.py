@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from server.block_manager import BlockManager
 from common.config import ServingConfig
 from server.sampling_params import SamplingParams
-from server.step_plan import StepBuilder, StepPlan, commit, end_at_bucket
+from server.speculation import SpecPolicy, SpecState
+from server.step_plan import RowResult, StepBuilder, StepPlan, commit, end_at_bucket
 from shm.step import RowOutput
 
 if TYPE_CHECKING:  # server.request imports this module
@@ -47,6 +48,7 @@ class Sequence:
     pending: int = 0  # sampled in steps in flight, not yet back
     agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
     scores: dict[int, RowOutput] = field(default_factory=dict)  # prompt logprobs: position -> its token's score
+    spec: SpecState | None = None  # its drafting state (server/speculation.py), from its first decode
 
     @property
     def tokens(self) -> list[int]:
@@ -84,8 +86,10 @@ def _order_key(seq: Sequence, policy: str) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, cfg: ServingConfig, pads_cost: bool = True):
+    def __init__(self, cfg: ServingConfig, pads_cost: bool = True, speculate: bool = False):
+        """`speculate`: decodes ask the agent for drafts (its proposer is speculative_config's)."""
         self.cfg = cfg
+        self.spec = SpecPolicy(cfg) if speculate else None
         # Whether the agent computes a step's padding (AgentInfo.pads_cost): where it skips it, cutting
         # a prompt to a bucket only splits it, and its tail waits for the next, often larger, step.
         self.pads_cost = pads_cost
@@ -167,10 +171,15 @@ class Scheduler:
         self._plan_decodes(step)
         self._plan_started(step)
         self._plan_admissions(step)
+        drafting = (self.spec is not None and any(p.feed and p.sample for p in step.rows)
+                    and self.spec.allows(len(self.running)))
+        if drafting:
+            self._plan_drafts(step)
         if self.pads_cost:
             end_at_bucket(step.rows, self.cfg.token_buckets)
         commit(step.rows)
-        plan = StepPlan(step.rows, self.freed if step.rows else [], self.preempted - preempted)
+        plan = StepPlan(step.rows, self.freed if step.rows else [], self.preempted - preempted, len(self.running),
+                        drafting)
         if step.rows:
             self.freed = []
         return plan
@@ -208,12 +217,36 @@ class Scheduler:
             self.running.append(seq)
             step.add_chunk(seq, n, admitted=True)
 
-    def update(self, plan: StepPlan, sampled: list[int | None]) -> None:
-        """A step's reply: its samples are no longer pending, the full blocks it computed are
-        published for prefix reuse, and each row's token (None: none to keep) is appended."""
-        for p, token in zip(plan.rows, sampled, strict=True):
-            p.seq.pending -= p.sample
-            if p.epoch == p.seq.preemptions and p.seq.table:
-                self.blocks.register_full(p.seq.table, p.seq.tokens, p.start + p.n_tokens, p.seq.block_hashes)
-            if token is not None:
-                p.seq.output.append(token)
+    def _plan_drafts(self, step: StepBuilder) -> None:
+        """Drafts on the step's fed decodes, oldest first, within the step's token budget, the
+        graph's LM-head rows (every draft is scored), each sequence's length limits and the free
+        blocks (a draft never preempts anyone). Nothing is planned for a drafting sequence until its
+        reply says how many drafts held (its `remaining` is below 1 meanwhile)."""
+        if any(seq.scoring for seq in self.running):  # scored prompt tokens take the LM-head rows
+            return
+        room = min(step.tokens, self.cfg.max_running - len(step.rows))
+        for p in [p for p in step.rows if p.feed and p.sample]:
+            seq = p.seq
+            want, seq.spec = self.spec.wanted(seq.spec)
+            n_out = len(seq.output) + seq.pending
+            free = (len(seq.table) + self.blocks.num_free) * self.cfg.block_size - seq.computed - 1
+            k = min(want, room, free, seq.params.max_new_tokens - n_out - 1, self.cfg.max_total_tokens - seq.computed - 2)
+            if k > 0 and self.blocks.grow(seq.table, seq.computed + 1 + k):
+                step.add_drafts(p, k)
+                room -= k
+
+    def update(self, plan: StepPlan, results: list[RowResult]) -> None:
+        """A step's reply: its samples are no longer pending, a drafting row's rejected drafts leave
+        the cache (`computed`), each row's tokens are appended, and the full blocks it computed are
+        published for prefix reuse."""
+        for p, res in zip(plan.rows, results, strict=True):
+            seq = p.seq
+            seq.pending -= p.sample
+            rejected = p.spec - res.accepted
+            if p.spec and p.epoch == seq.preemptions:
+                seq.computed -= rejected  # their K/V are overwritten by the next tokens there
+                if self.spec is not None and seq.spec is not None:
+                    self.spec.observe(seq.spec, res.drafted, res.accepted)
+            seq.output.extend(res.tokens)
+            if p.epoch == seq.preemptions and seq.table:
+                self.blocks.register_full(seq.table, seq.tokens, p.start + p.n_tokens - rejected, seq.block_hashes)

@@ -27,6 +27,17 @@ class Planned:
     epoch: int = 0  # the sequence's preemptions when planned: its blocks are still the same while equal
     admitted: bool = False  # its first row since it was (re)admitted: the agent gets its grammar again
     targets: list[int] = field(default_factory=list)  # the prompt tokens its first tokens are scored against
+    spec: int = 0  # draft tokens the agent proposes after its fed one (n_tokens is 1 + spec)
+
+
+@dataclass
+class RowResult:
+    """What a planned row gave back: the tokens to append (its accepted drafts, then its sample; none
+    for a row that does not sample, failed, or whose request ended meanwhile), how many drafts the
+    agent proposed for it and how many of them it kept in the cache (whatever became of the request)."""
+    tokens: list[int] = field(default_factory=list)
+    accepted: int = 0
+    drafted: int = 0
 
 
 @dataclass
@@ -36,6 +47,8 @@ class StepPlan:
     rows: list[Planned]
     freed: list[int] = field(default_factory=list)
     preempted: int = 0
+    running: int = 0  # sequences running when it was planned (speculation's batch-size class)
+    drafting: bool = False  # planned in speculation's drafting mode (server/speculation.py)
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -67,7 +80,7 @@ def end_at_bucket(plan: list[Planned], buckets: list[int]) -> None:
     below = max((b for b in buckets if b < total), default=0)
     cut, padding = total - below, above - total
     last = plan[-1] if plan else None
-    if last and below and cut < last.n_tokens and cut < padding and padding >= MIN_TRIMMED_PADDING:
+    if last and not last.spec and below and cut < last.n_tokens and cut < padding and padding >= MIN_TRIMMED_PADDING:
         last.n_tokens -= cut  # its blocks stay reserved for the next step
         last.sample = False
 
@@ -98,6 +111,11 @@ class StepBuilder:
         self.rows.append(Planned(seq, n, n == seq.remaining, admitted=admitted))
         self.tokens = 0 if seq.scoring else self.tokens - n  # nothing is planned after a scored chunk
         self.prefill_rows += 1
+
+    def add_drafts(self, p: Planned, k: int) -> None:
+        """`k` drafts on decode row `p`: query tokens of the step like any other."""
+        p.spec, p.n_tokens = k, 1 + k
+        self.tokens -= k
 
     def drop(self, seq: Sequence) -> None:
         """`seq` was preempted: its rows leave the step."""

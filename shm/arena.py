@@ -35,7 +35,7 @@ class ArenaSpec:
 
     def dims(self) -> dict[str, int]:
         return {"T": self.max_tokens, "R": self.max_rows, "W": self.max_blocks, "N": MAX_TOP_LOGPROBS,
-                "S": self.max_tokens}
+                "S": self.max_tokens, "D": self.max_tokens}
 
     def layout(self) -> tuple[dict[str, tuple[int, np.dtype, tuple[int, ...]]], int]:
         """Field -> (byte offset, dtype, shape) in declaration order (shm/step.py); and the total size.
@@ -69,7 +69,7 @@ class ArenaSpec:
 
     def fits(self, dims: StepDims) -> bool:
         return (dims.n_tokens <= self.max_tokens and dims.n_rows <= self.max_rows and dims.width <= self.max_blocks
-                and 0 <= dims.n_scored <= dims.n_tokens)
+                and 0 <= dims.n_scored <= dims.n_tokens and 0 <= dims.n_drafts <= dims.n_tokens)
 
 
 class Arena:
@@ -105,7 +105,8 @@ class Arena:
         repeat their sizes, and building the 24 views is a visible part of a small step (docs/perf-notes.md)."""
         if self._last is not None and self._last[0] == dims:
             return self._last[1]
-        lim = {"T": dims.n_tokens, "R": dims.n_rows, "W": dims.width, "N": MAX_TOP_LOGPROBS, "S": dims.n_scored}
+        lim = {"T": dims.n_tokens, "R": dims.n_rows, "W": dims.width, "N": MAX_TOP_LOGPROBS, "S": dims.n_scored,
+               "D": dims.n_drafts}
         view = StepView(*(cls(**{f.name: getattr(self.full.section(cls), f.name)[tuple(slice(0, lim[d]) for d in f.dims)]
                                  for f in field_specs(cls)}) for cls in SECTIONS))
         self._last = (dims, view)
@@ -141,10 +142,10 @@ class Arena:
         self._load(dims, INPUT_SECTIONS, frames)
 
     def output_frames(self, dims: StepDims) -> list[bytes]:
-        return self._frames(StepDims(0, dims.n_rows, 0, dims.n_scored), OUTPUT_SECTIONS)
+        return self._frames(StepDims(0, dims.n_rows, 0, dims.n_scored, dims.n_drafts), OUTPUT_SECTIONS)
 
     def load_outputs(self, dims: StepDims, frames: list[bytes]) -> None:
-        self._load(StepDims(0, dims.n_rows, 0, dims.n_scored), OUTPUT_SECTIONS, frames)
+        self._load(StepDims(0, dims.n_rows, 0, dims.n_scored, dims.n_drafts), OUTPUT_SECTIONS, frames)
 
 
 # ---------------------------------------------------------------- POSIX segments

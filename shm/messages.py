@@ -43,6 +43,7 @@ class AgentInfo(Wire):
     tp_size: int = 1
     pads_cost: bool = True  # a step computes its padding up to its token bucket (False: skipped, free)
     planned_bytes: int = 0  # its memory plan's bytes per agent (common/memory.py; 0: not planned, off CPU)
+    speculative: str = ""  # the method its proposer drafts with (speculative_config.method; "": none)
     # Filled per reply:
     pid: int = 0
     rss_bytes: int = 0  # the process's resident memory now

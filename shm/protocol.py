@@ -16,7 +16,8 @@ import msgpack
 # 2: the handshake carries KV geometry and model identity; `e` detaches instead of exiting.
 # 3: `a` rows are fed by the agent's own last samples (`feed` column); arena slots, a step names its `slot`.
 # 4: steps may carry `grammars`.
-VERSION = 5  # 5: prompt logprobs: a `targets` column, ScoreOutputs, `n_scored` in a step's header
+# 5: prompt logprobs: a `targets` column, ScoreOutputs, `n_scored` in a step's header.
+VERSION = 6  # 6: speculative decoding: a `spec` column, `drafted`/`accepted`, DraftOutputs, `n_drafts`
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
 COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT})
@@ -38,7 +39,8 @@ GEOMETRY_KEYS = ("block_size", "num_blocks", "max_model_len")
 MODEL_KEYS = ("name", "digest")
 
 # Required header keys and their types, per command.
-_STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "slot": int, "free": list, "n_scored": int}
+_STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "slot": int, "free": list, "n_scored": int,
+              "n_drafts": int}
 _REQUIRED: dict[bytes, dict[str, type]] = {
     HANDSHAKE: {"arena": (str, type(None)), "spec": dict, "server_pid": int, "geometry": dict, "model": dict},
     FULL_STEP: _STEP_KEYS, DECODE_STEP: _STEP_KEYS, RESET: {}, DETACH: {}, HEARTBEAT: {},

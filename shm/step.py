@@ -3,7 +3,7 @@ and the output reader beside them.
 
 Field order here is the byte order of the arena and of the tcp tensor frames (docs/protocol.md).
 Shapes use the dims "T" (tokens of the step), "R" (rows), "W" (block-table columns), "N" (top
-logprobs), "S" (scored tokens: prompt logprobs). Adding a sampling knob: one column in `SamplingColumns` (naming the `SamplingParams`
+logprobs), "S" (scored tokens: prompt logprobs), "D" (draft tokens: speculative decoding). Adding a sampling knob: one column in `SamplingColumns` (naming the `SamplingParams`
 attribute it encodes) and its use in agent/sampling.py.
 """
 from __future__ import annotations
@@ -17,11 +17,14 @@ import numpy as np
 MAX_TOP_LOGPROBS = 20
 
 
-def col(dtype: str, *dims: str, param: str | None = None, neutral: Any = None, none: int | None = None) -> Any:
+def col(dtype: str, *dims: str, param: str | None = None, neutral: Any = None, none: int | None = None,
+        optional: bool = False) -> Any:
     """A field of the step arena. `param`: the sampling-parameter attribute it encodes (else the
     row's attribute of the field's own name), `neutral` its value that changes nothing (greedy,
-    no penalty); `none`: what a parameter of None is sent as."""
-    return field(metadata={"dtype": np.dtype(dtype), "dims": dims, "param": param, "neutral": neutral, "none": none})
+    no penalty); `none`: what a parameter of None is sent as; `optional`: None in a section built
+    off the arena (the sampler's results)."""
+    meta = {"dtype": np.dtype(dtype), "dims": dims, "param": param, "neutral": neutral, "none": none}
+    return field(default=None, metadata=meta) if optional else field(metadata=meta)
 
 
 @dataclass
@@ -40,6 +43,9 @@ class StepInputs:
     # -1, or the prompt's next token: this token's logits are scored against it (prompt logprobs;
     # the step's scored tokens write ScoreOutputs in token order).
     targets: np.ndarray = col("int32", "T")
+    # Speculative decoding: a fed row may carry this many draft tokens after its fed one (its query is
+    # 1 + spec_len tokens; the agent proposes them, agent/spec/): all are verified in this step.
+    spec_len: np.ndarray = col("int32", "R")
 
 
 @dataclass
@@ -78,6 +84,19 @@ class StepOutputs:
     logprobs: np.ndarray = col("float32", "R")
     top_ids: np.ndarray = col("int32", "R", "N")
     top_logprobs: np.ndarray = col("float32", "R", "N")
+    drafted: np.ndarray = col("int32", "R", optional=True)  # drafts the agent proposed for the row (<= spec_len)
+    # drafts accepted (<= drafted): the row emits them (DraftOutputs) and then `ids`
+    accepted: np.ndarray = col("int32", "R", optional=True)
+
+
+@dataclass
+class DraftOutputs:
+    """Per draft slot of the step (row r's spec_len[r] slots after those of the rows before it): its
+    first `accepted[r]` hold the accepted drafts in order, each with its logprob and top alternatives."""
+    draft_ids: np.ndarray = col("int32", "D")
+    draft_logprobs: np.ndarray = col("float32", "D")
+    draft_top_ids: np.ndarray = col("int32", "D", "N")
+    draft_top_logprobs: np.ndarray = col("float32", "D", "N")
 
 
 @dataclass
@@ -88,9 +107,9 @@ class ScoreOutputs:
     score_top_logprobs: np.ndarray = col("float32", "S", "N")
 
 
-SECTIONS = (StepInputs, SamplingColumns, StepOutputs, ScoreOutputs)
+SECTIONS = (StepInputs, SamplingColumns, StepOutputs, ScoreOutputs, DraftOutputs)
 INPUT_SECTIONS = (StepInputs, SamplingColumns)
-OUTPUT_SECTIONS = (StepOutputs, ScoreOutputs)
+OUTPUT_SECTIONS = (StepOutputs, ScoreOutputs, DraftOutputs)
 
 
 @dataclass(frozen=True)
@@ -117,10 +136,11 @@ class StepView:
     sampling: SamplingColumns
     outputs: StepOutputs
     scores: ScoreOutputs
+    drafts: DraftOutputs
 
     def section(self, cls: type) -> Any:
         return {StepInputs: self.inputs, SamplingColumns: self.sampling, StepOutputs: self.outputs,
-                ScoreOutputs: self.scores}[cls]
+                ScoreOutputs: self.scores, DraftOutputs: self.drafts}[cls]
 
 
 def check_params(cls: type) -> type:
@@ -147,10 +167,14 @@ def check_indices(v: StepView, vocab: int, num_blocks: int, block_size: int, max
     for name, a, bound in checks:
         if a.size and a.view(np.uint32).max() >= bound:
             raise ValueError(f"{name} out of range [0, {bound})")
-    if np.any(x.query_lens[x.feed == 1] != 1):
-        raise ValueError("a fed row has exactly one query token")
+    if np.any(x.query_lens[x.feed == 1] != 1 + x.spec_len[x.feed == 1]):
+        raise ValueError("a fed row has 1 + spec_len query tokens")
+    if np.any((x.spec_len != 0) & ((x.feed != 1) | (x.sample != 1))) or np.any(x.spec_len < 0):
+        raise ValueError("only fed, sampling rows carry drafts (spec_len >= 0)")
     if np.count_nonzero(x.targets >= 0) != v.scores.score_logprobs.shape[0]:
         raise ValueError("the step's scored tokens (targets >= 0) are not its n_scored")
+    if int(x.spec_len.sum()) != v.drafts.draft_ids.shape[0]:
+        raise ValueError("the step's drafts (sum of spec_len) are not its n_drafts")
 
 
 def check_decode(v: StepView) -> None:
@@ -172,6 +196,7 @@ class RowInput:
     output_len: int
     feed: bool = False  # take the query token from the agent's last sample (`tokens` is one placeholder)
     targets: np.ndarray | None = None  # per query token: -1 or the next prompt token it is scored against
+    spec: int = 0  # draft tokens the agent proposes after the fed one (`tokens`: 1 + spec placeholders)
 
 
 @dataclass(frozen=True)
@@ -180,6 +205,7 @@ class StepDims:
     n_rows: int
     width: int
     n_scored: int = 0  # tokens with targets: ScoreOutputs rows
+    n_drafts: int = 0  # draft slots: DraftOutputs rows
 
 
 def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
@@ -204,6 +230,7 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
     x.seq_ids[:n] = [r.seq_id for r in rows]
     x.sample[:n] = [int(r.sample) for r in rows]
     x.feed[:n] = [int(r.feed) for r in rows]
+    x.spec_len[:n] = [r.spec for r in rows]
     x.targets[:n_tokens] = np.concatenate([np.full(len(r.tokens), -1, np.int32) if r.targets is None else r.targets
                                            for r in rows])
     for f in fields(SamplingColumns):
@@ -215,7 +242,8 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
 
 def step_dims(rows: list[RowInput]) -> StepDims:
     return StepDims(sum(len(r.tokens) for r in rows), len(rows), max(len(r.block_table) for r in rows),
-                    sum(int(np.count_nonzero(r.targets >= 0)) for r in rows if r.targets is not None))
+                    sum(int(np.count_nonzero(r.targets >= 0)) for r in rows if r.targets is not None),
+                    sum(r.spec for r in rows))
 
 
 @dataclass(frozen=True)
@@ -228,6 +256,14 @@ class RowOutput:
 def read_row(out: StepOutputs, row: int, n_top: int) -> RowOutput:
     top = list(zip(out.top_ids[row, :n_top].tolist(), out.top_logprobs[row, :n_top].tolist()))
     return RowOutput(int(out.ids[row]), float(out.logprobs[row]), top)
+
+
+def read_drafts(out: DraftOutputs, first: int, n: int, n_top: int) -> list[RowOutput]:
+    """A row's `n` accepted drafts, its draft slots starting at `first`."""
+    k = slice(first, first + n)
+    ids, lps = out.draft_ids[k].tolist(), out.draft_logprobs[k].tolist()
+    tops, tlps = out.draft_top_ids[k, :n_top].tolist(), out.draft_top_logprobs[k, :n_top].tolist()
+    return [RowOutput(t, lp, list(zip(i, tl))) for t, lp, i, tl in zip(ids, lps, tops, tlps)]
 
 
 def read_scores(out: ScoreOutputs, first: int, targets: list[int], n_top: int) -> list[RowOutput]:

@@ -196,7 +196,7 @@ class AgentClient:
         `grammars`: the constrained sequences this step (re)admits (shm/protocol.py)."""
         frames = None if self.local else self.arenas[slot].input_frames(dims)
         header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free,
-                  "n_scored": dims.n_scored}
+                  "n_scored": dims.n_scored, "n_drafts": dims.n_drafts}
         if grammars:
             header["grammars"] = grammars
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP, header, frames, dims, slot, tag)
@@ -250,4 +250,4 @@ def load_step_frames(arena: Arena, msg: P.Message) -> None:
 
 def step_header_dims(h: dict[str, Any]) -> StepDims:
     """A step command's sizes, as its header gives them (shm/protocol.py checked their types)."""
-    return StepDims(h["n_tokens"], h["n_rows"], h["width"], h["n_scored"])
+    return StepDims(h["n_tokens"], h["n_rows"], h["width"], h["n_scored"], h["n_drafts"])

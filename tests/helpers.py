@@ -165,3 +165,9 @@ def save_mindformers(tmp: Path, weights: dict, extra: dict | None = None) -> tup
         "vocab_size": TINY["vocab_size"], "rms_norm_eps": 1e-5, "seq_length": 512,
         "bos_token_id": 256, "eos_token_id": 257}}}))
     return ckpt, cfg_yaml
+
+
+def results(tokens: list[int | None]) -> list:
+    """Scheduler.update's per-row results for rows that each sampled one token (None: nothing kept)."""
+    from server.step_plan import RowResult
+    return [RowResult([] if t is None else [t]) for t in tokens]

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 
 from common.cpu import describe
@@ -81,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="server starts in this order; alternating starts and the median of every run "
                          "of a mode cancel the machine's drift")
     args = ap.parse_args(argv)
-    cfg = yaml.safe_load(Path(args.config).read_text())
-    sc = cfg.get("serving_config", {})
-    base = f"http://{sc.get('server_ip', '127.0.0.1')}:{sc.get('server_port', 8835)}"
-    model = cfg.get("model_config", {}).get("model_name", "smollm2")
+    base, model = server_process.endpoint(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     for mode in args.modes.split(","):

@@ -116,7 +116,8 @@ def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
         rows = np.repeat(np.arange(len(prompts)), qlens)
         slots = (tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32)
         x = SimpleNamespace(tokens=tokens, positions=positions, slots=slots, query_lens=qlens, block_tables=tables,
-                            targets=np.full(len(tokens), -1, np.int32))  # nothing scored
+                            targets=np.full(len(tokens), -1, np.int32),  # nothing scored
+                            spec_len=np.zeros(len(qlens), np.int32))  # no drafts
         logits, _ = runner.forward(x)
         tokens = logits.argmax(-1).astype(np.int32)
         for r, t in enumerate(tokens):

@@ -11,6 +11,16 @@ ROOT = Path(__file__).resolve().parent.parent
 READY = "llm-serving ready"
 
 
+def endpoint(config: str) -> tuple[str, str]:
+    """The base URL a serving YAML's server answers at, and its model name."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(config).read_text())
+    sc = cfg.get("serving_config", {})
+    return (f"http://{sc.get('server_ip', '127.0.0.1')}:{sc.get('server_port', 8835)}",
+            cfg.get("model_config", {}).get("model_name", "smollm2"))
+
+
 def start_server(args: list[str], log: Path, timeout_s: float = 900, session: bool = True,
                  while_waiting: Callable[[subprocess.Popen], None] | None = None) -> subprocess.Popen:
     """`python -m llm_serving.serve *args`, its output in `log`, once its log says ready (`while_waiting`

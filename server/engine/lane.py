@@ -20,6 +20,7 @@ from common.memory import gib
 from common.procs import Backoff, pid_alive
 from server.engine.pacing import StepPacer
 from server.scheduler import Scheduler, Sequence
+from server.speculation import SpecPolicy
 from server.step_plan import Planned, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
@@ -60,10 +61,19 @@ def pads_cost(client: AgentLink) -> bool:
     return client.info is None or client.info.pads_cost
 
 
+def speculates(client: AgentLink, cfg: ServingConfig) -> bool:
+    """Whether decodes ask this agent for drafts: speculative_config is on and the agent drafts with
+    that method (one started without it says so in its handshake, and gets plain decodes)."""
+    return cfg.spec_method is not None and client.info is not None and client.info.speculative == cfg.spec_method
+
+
 class AgentLane:
     def __init__(self, index: int, client: AgentLink, cfg: ServingConfig):
         self.index, self.client, self.cfg = index, client, cfg
-        self.sched = Scheduler(cfg, pads_cost(client))
+        self.sched = Scheduler(cfg, pads_cost(client), speculates(client, cfg))
+        if cfg.spec_method and not self.sched.spec:
+            log.warning("agent %d drafts with %r, not speculative_config.method %r: its decodes take no drafts "
+                        "(start it from the same config)", index, client.info.speculative, cfg.spec_method)
         self.state = LaneState.LIVE
         # Steps in flight: two with overlap (the agent starts the second as it replies to the first).
         self.depth = 2 if cfg.overlap_steps else 1
@@ -115,10 +125,10 @@ class AgentLane:
     def send_plan(self, plan: StepPlan, planned_at: float) -> None:
         """Write the step into a free arena slot and send it (raises AgentDead). Fed rows carry a
         placeholder token: the agent takes its own last sample (their real token may not be back yet)."""
-        rows = [RowInput(p.seq.seq_id, np.zeros(1, np.int32) if p.feed else
+        rows = [RowInput(p.seq.seq_id, np.zeros(p.n_tokens, np.int32) if p.feed else
                          np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
                          p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
-                         _targets(p))
+                         _targets(p), p.spec)
                 for p in plan.rows]
         slot = self.client.next_slot()
         dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)
@@ -172,7 +182,7 @@ class AgentLane:
         now (attach again later, never restart); start an empty KV pool. Returns every sequence
         the lane held (to recompute), those of its steps in flight included."""
         seqs = self.sched.drain()
-        self.sched = Scheduler(self.cfg, pads_cost(self.client))
+        self.sched = Scheduler(self.cfg, pads_cost(self.client), speculates(self.client, self.cfg))
         if kill:
             self.client.kill()
         self.client.close(detach=False)
@@ -200,6 +210,7 @@ class AgentLane:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()
         self.graph_compiles = 0  # a new process
         self.rss_bytes, self.over_plan_warned = client.info.rss_bytes, False
+        self.sched.spec = SpecPolicy(self.cfg) if speculates(client, self.cfg) else None  # as the new agent drafts
 
     def note_rss(self, rss: int) -> None:
         """The agent's resident memory from a reply; the first time it passes its plan, a warning."""

@@ -44,6 +44,24 @@ class Metrics:
         self.graph_compiles = Counter("llm_serving_graph_compiles", "Model graphs built by the agents (warm-up "
                                       "included; none after ready)", registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)
+        # Speculative decoding (speculative_config): drafts the agents proposed and kept, and what a
+        # drafting decode row emitted (its kept drafts and its own sample).
+        self.spec_drafted = Counter("llm_serving_spec_draft_tokens", "Draft tokens the agents proposed", registry=r)
+        self.spec_accepted = Counter("llm_serving_spec_accepted_tokens", "Draft tokens verified and kept", registry=r)
+        self.spec_acceptance = Gauge("llm_serving_spec_acceptance_rate", "Kept / proposed draft tokens so far",
+                                     registry=r)
+        self.spec_emitted = Histogram("llm_serving_spec_tokens_per_step", "Tokens a drafting decode row emitted "
+                                      "(1 + its kept drafts)", buckets=tuple(range(1, 18)), registry=r)
+        self._drafts = [0, 0]  # proposed, kept
+
+    def drafts_verified(self, drafted: int, kept: int) -> None:
+        """A drafting decode row's reply: `drafted` proposed, `kept` of them accepted."""
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(kept)
+        self.spec_emitted.observe(kept + 1)
+        self._drafts[0] += drafted
+        self._drafts[1] += kept
+        self.spec_acceptance.set(self._drafts[1] / self._drafts[0] if self._drafts[0] else 0.0)
 
     def observe_lanes(self, lanes: list[Any]) -> None:
         """The gauges, from the agent lanes (server.engine.lane.AgentLane) as they are now."""

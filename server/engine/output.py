@@ -62,9 +62,10 @@ class OutputProcessor:
         self._outbox: list[tuple[Sink, Delta]] = []
 
     def token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]],
-              now: float) -> tuple[Delta, str | None]:
-        """A sampled token (already appended to its sequence) as an event with its text, and the
-        finish reason if it ends the request."""
+              now: float, n_out: int) -> tuple[Delta, str | None]:
+        """A sampled token (already appended to its sequence, as the `n_out`-th output: a step may
+        append several, a drafting row's) as an event with its text, and the finish reason if it
+        ends the request."""
         seq, p = req.seq, req.params
         self.metrics.generation_tokens.inc()
         first = req.first_token_at is None
@@ -78,7 +79,7 @@ class OutputProcessor:
             reason = "eos"
         elif token in p.stop_token_ids or req.detok.stop_hit():  # the client's own stops
             reason = "stop"
-        elif len(seq.output) >= p.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+        elif n_out >= p.max_new_tokens or len(seq.prompt) + n_out >= self.max_model_len:
             reason = "length"
         if reason:
             text += req.detok.finish()

@@ -14,9 +14,9 @@ from server.engine.requests import Requests
 from server.engine.supervisor import Supervisor
 from server.engine.trace import StepRecord, StepTrace
 from server.request import Status
-from server.step_plan import Planned
+from server.step_plan import Planned, RowResult
 from shm import protocol as P
-from shm.step import ScoreOutputs, read_row, read_scores
+from shm.step import DraftOutputs, RowOutput, ScoreOutputs, StepOutputs, read_drafts, read_row, read_scores
 from shm.messages import StepReply
 from shm.transport import AgentDead, AgentError
 
@@ -81,6 +81,49 @@ class Stepper:
         lane.backoff.reset()
         self._step_done(lane, head, body, now)
 
+    def _emitted(self, rows: list[Planned], outputs: StepOutputs, drafts: DraftOutputs) -> list[list[RowOutput]]:
+        """Each row's tokens in order: its accepted drafts, then its sample (none for a row that
+        does not sample); the drafting counters."""
+        out, first = [], 0
+        for i, p in enumerate(rows):
+            n_top = p.seq.params.logprobs
+            kept = read_drafts(drafts, first, int(outputs.accepted[i]), n_top) if p.spec else []
+            out.append(kept + [read_row(outputs, i, n_top)] if p.sample else [])
+            first += p.spec
+            if p.spec:
+                self.metrics.drafts_verified(int(outputs.drafted[i]), len(kept))
+        return out
+
+    @staticmethod
+    def _keeps(p: Planned, out: list[RowOutput]) -> bool:
+        """A row's tokens are kept for a live request whose sampling succeeded."""
+        req = p.seq.request
+        return bool(out) and out[-1].token >= 0 and req.status is not Status.DONE and not req.cancelled
+
+    def _deliver(self, p: Planned, out: list[RowOutput], now: float) -> None:
+        """A row's tokens to its request, up to the one that ends it; or its end (cancelled, failed)."""
+        req = p.seq.request
+        if req.status is Status.DONE:  # it ended while this step ran: its row is discarded
+            return
+        req.inference_end_at = now
+        if req.cancelled:
+            self.requests.end(req, "cancelled")
+            return
+        if out and out[-1].token < 0:  # this row's sampling failed on the agent; its neighbours went on
+            # Validated parameters cannot cause it (server/sampling_params.py): a server error.
+            why = (f"request {req.request_id}: sampling failed: " + ("its grammar allows no token here"
+                   if req.params.grammar else "the model's probabilities were not finite"))
+            log.error("%s", why)
+            self.requests.end(req, "error", why)
+            return
+        first = len(p.seq.output) - len(out)  # the scheduler appended them all
+        for i, row in enumerate(out, first + 1):
+            delta, reason = self.out.token(req, row.token, row.logprob, row.top, now, i)
+            if reason:
+                self.requests.end(req, reason, last=delta)
+                return
+            self.out.emit(req, delta)
+
     @staticmethod
     def _scores(rows: list[Planned], scores: ScoreOutputs) -> None:
         """Prompt logprobs of the step's scored rows (in token order in the arena) into their sequences."""
@@ -93,7 +136,8 @@ class Stepper:
 
     def _step_done(self, lane: AgentLane, step: InFlight, reply: StepReply, now: float) -> None:
         rows = step.plan.rows
-        start = max(step.sent_at, lane.replied(now))
+        previous = lane.replied(now)
+        start = max(step.sent_at, previous)
         lane.pacer.observe(sum(p.n_tokens for p in rows), now - start)
         kind = "prefill" if step.plan.has_prefill else "decode"
         self.metrics.step_time.labels(kind).observe(now - start)
@@ -101,32 +145,18 @@ class Stepper:
         self.step_wall_s += now - start
         self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
         lane.note_rss(reply.rss_bytes)
-        outputs = lane.client.arenas[step.slot].full.outputs
-        self._scores(rows, lane.client.arenas[step.slot].full.scores)
-        # A row's token is kept only for a live, sampled row whose sampling succeeded.
-        read = [read_row(outputs, i, p.seq.params.logprobs) if p.sample else None for i, p in enumerate(rows)]
-        keep = [r.token if r is not None and r.token >= 0 and p.seq.request.status is not Status.DONE
-                and not p.seq.request.cancelled else None for p, r in zip(rows, read)]
-        lane.sched.update(step.plan, keep)
-        for p, row, token in zip(rows, read, keep):
-            req = p.seq.request
-            if req.status is Status.DONE:  # it ended while this step ran: its row is discarded
-                continue
-            req.inference_end_at = now
-            if req.cancelled:
-                self.requests.end(req, "cancelled")
-            elif row is not None and token is None:  # this row's sampling failed on the agent; its neighbours went on
-                # Validated parameters cannot cause it (server/sampling_params.py): a server error.
-                why = (f"request {req.request_id}: sampling failed: " + ("its grammar allows no token here"
-                       if req.params.grammar else "the model's probabilities were not finite"))
-                log.error("%s", why)
-                self.requests.end(req, "error", why)
-            elif token is not None:
-                delta, reason = self.out.token(req, token, row.logprob, row.top, now)
-                if reason:
-                    self.requests.end(req, reason, last=delta)
-                else:
-                    self.out.emit(req, delta)
+        arena = lane.client.arenas[step.slot].full
+        self._scores(rows, arena.scores)
+        emitted = self._emitted(rows, arena.outputs, arena.drafts)
+        lane.sched.update(step.plan, [RowResult([o.token for o in out] if self._keeps(p, out) else [],
+                                                *((int(arena.outputs.accepted[i]), int(arena.outputs.drafted[i]))
+                                                  if p.spec else (0, 0)))
+                                      for i, (p, out) in enumerate(zip(rows, emitted))])
+        for p, out in zip(rows, emitted):
+            self._deliver(p, out, now)
+        if lane.sched.spec is not None and not step.plan.has_prefill:  # wall time, the server's share included
+            lane.sched.spec.observe_step(step.plan.running, step.plan.drafting, sum(map(len, emitted)),
+                                         now - max(previous, step.sent_at - step.prepare_s))
         self.trace.record(StepRecord(lane.index, kind, len(rows), sum(p.n_tokens for p in rows), step.sent_at, start,
                                      now, step.prepare_s, time.monotonic() - now, reply.model_s, reply.agent_s,
                                      reply.graph_tokens))

@@ -110,7 +110,21 @@ def test_the_numpy_decoder_matches_transformers(folder):
 
 @pytest.mark.parametrize("folder", [f for f in FOLDERS if f not in TF4])
 def test_float32_matches_transformers(folder):
-    compare(runner_for(folder), folder, "float32")
+    runner = runner_for(folder)
+    compare(runner, folder, "float32")
+    speculated_equals_plain(runner, folder)
+
+
+def speculated_equals_plain(runner: ModelRunner, folder: str) -> None:
+    """Greedy with n-gram drafts (3 a step, verified in the packed step) gives our plain greedy tokens."""
+    from agent.spec.ngram import NgramProposer
+    from tests.agent.test_speculative import SpecDriver
+
+    runner.seqs.proposer = NgramProposer(1, 3)
+    for i, (ids, _) in enumerate(golden(folder)):
+        prompt = [int(t) for t in ids[:len(ids) - 32]]
+        plain = SpecDriver(runner, SamplingParams(), 0).run([prompt], 24, seq0=1000 + i)
+        assert SpecDriver(runner, SamplingParams(), 3).run([prompt], 24, seq0=2000 + i) == plain, f"{folder} case {i}"
 
 
 @pytest.mark.parametrize("folder", TF4)

@@ -23,7 +23,7 @@ from tests.helpers import ServerProcess, tiny_config
 
 
 def test_codec_round_trip():
-    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "n_scored": 0, "slot": 1, "free": [7, 9],
+    parts = P.encode(P.DECODE_STEP, {"n_tokens": 3, "n_rows": 3, "width": 2, "n_scored": 0, "n_drafts": 0, "slot": 1, "free": [7, 9],
                                      "id": 5}, [b"xy"])
     msg = P.decode(parts)
     assert msg.cmd == P.DECODE_STEP and msg.header["free"] == [7, 9] and msg.frames == [b"xy"]
@@ -34,7 +34,7 @@ def test_codec_round_trip():
 V = P.VERSION
 HELLO = {"v": V, "arena": None, "spec": {"max_tokens": 8, "max_rows": 2, "max_blocks": 2, "slots": 2}, "server_pid": 1,
          "geometry": {"block_size": 4, "num_blocks": 8, "max_model_len": 8}, "model": {"name": "m", "digest": "d"}}
-STEP = {"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "n_scored": 0, "slot": 0, "free": []}
+STEP = {"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "n_scored": 0, "n_drafts": 0, "slot": 0, "free": []}
 
 
 @pytest.mark.parametrize("parts, why", [
@@ -284,10 +284,11 @@ def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, row
     x.sample[:len(rows)] = [s for _, _, s, _ in rows]
     x.seq_ids[:len(rows)] = [s for _, _, _, s in rows]
     x.targets[:n] = targets[:n]
+    x.spec_len[:len(rows)] = 0
     n_scored = max(0, sum(t >= 0 for t in targets[:n]) + miscount)
     # `free` first drops what earlier examples sampled: a fed row here has no sample to take.
     client.send(cmd, {"n_tokens": n, "n_rows": len(rows), "width": 1, "slot": slot, "free": [-3, -2, -1, 0, 1, 2, 3],
-                      "n_scored": n_scored}, dims=StepDims(n, len(rows), 1, n_scored))
+                      "n_scored": n_scored, "n_drafts": 0}, dims=StepDims(n, len(rows), 1, n_scored))
     try:
         assert client.poll_step(30) is not None
         fed = [i for i, (f, _, s, _) in enumerate(rows) if f == 1 and s == 1]

@@ -216,7 +216,9 @@ def test_steps_of_one_row_bucket_share_their_onednn_primitives(runner16, tiny_we
     built = count()
     for n in range(114, 121):
         PagedDriver(runner16).run([list(range(1, n + 1))], 0, collect_logits=False)
-    assert count() == built
+    # Primitives are kept per thread: a chunk a pool thread runs for the first time may add one (seen
+    # once in a loaded suite); a primitive per step length would add dozens here (7 lengths x 4 shapes).
+    assert count() - built <= 2
     ref = reference_logits(tiny_model_config(), tiny_weights, list(range(1, 114)))[-1]
     assert np.abs(first[0][0] - ref).max() <= LOGIT_TOL
 

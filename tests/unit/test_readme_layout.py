@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-PACKAGES = ("common", "shm", "agent", "agent/model", "agent/weights", "server", "server/engine", "server/http", "llm_serving")
+PACKAGES = ("common", "shm", "agent", "agent/model", "agent/spec", "agent/weights", "server", "server/engine", "server/http", "llm_serving")
 
 
 def _rows() -> dict[str, str]:

@@ -43,3 +43,14 @@ def test_all_greedy_fast_path_matches_the_general_path():
     general = sample(logits.copy(), lse, _rows(4, n_logprobs=[0, 0, 0, 1]), [None] * 4, rng)  # logprobs: general path
     assert fast.ids.tolist() == general.ids.tolist() and fast.ids[2] == -1
     assert np.allclose(fast.logprobs[[0, 1, 3]], general.logprobs[[0, 1, 3]])
+
+
+def test_top_p_and_min_p_on_a_vocabulary_smaller_than_the_candidate_set():
+    """A 50-token vocabulary is below the 256 candidates top-p starts from: every token is one
+    (it used to fail every such row)."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((2, 50)).astype(np.float32)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1)).astype(np.float32)
+    res = sample(logits.copy(), lse, _rows(2, temperature=[1.0, 1.0], top_p=[0.9, 1.0], min_p=[0.0, 0.1]),
+                 [None, None], rng)
+    assert all(0 <= t < 50 for t in res.ids)

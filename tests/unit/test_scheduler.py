@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from common.config import ServingConfig
+from tests.helpers import results
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, Sequence
 
@@ -21,12 +22,12 @@ def test_scheduler_chunks_long_prompts_and_puts_decodes_first():
     s.add(a)
     plan = s.schedule()
     assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 10, False)]  # chunk = the budget
-    s.update(plan, [None])
+    s.update(plan, results([None]))
     b = Sequence([1, 2, 3], SamplingParams(), 1.0)
     s.add(b)
     plan = s.schedule()
     assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 6, True), (b, 3, True)]  # packed together
-    s.update(plan, [7, 9])
+    s.update(plan, results([7, 9]))
     assert a.output == [7] and b.output == [9] and a.pending == b.pending == 0
     c = Sequence(list(range(100, 120)), SamplingParams(), 2.0)
     s.add(c)
@@ -41,10 +42,10 @@ def test_scheduler_uses_the_prefill_only_budget_while_nothing_decodes():
     s.add(a)
     plan = s.schedule()
     assert [(p.n_tokens, p.sample) for p in plan.rows] == [(20, False)]
-    s.update(plan, [None])
+    s.update(plan, results([None]))
     plan = s.schedule()
     assert [(p.n_tokens, p.sample) for p in plan.rows] == [(10, True)]
-    s.update(plan, [5])
+    s.update(plan, results([5]))
     b = Sequence(list(range(100, 130)), SamplingParams(), 1.0)
     s.add(b)
     plan = s.schedule()  # a decodes now: the mixed budget
@@ -60,17 +61,17 @@ def test_scheduler_ends_a_step_at_a_bucket_rather_than_pad_most_of_the_next():
     s.add(a)
     plan = s.schedule()  # 141 would pad to 256: 128 now, the 13 left next
     assert [(p.n_tokens, p.sample) for p in plan.rows] == [(128, False)]
-    s.update(plan, [None])
+    s.update(plan, results([None]))
     plan = s.schedule()
     assert [(p.n_tokens, p.sample) for p in plan.rows] == [(13, True)]
-    s.update(plan, [5])
+    s.update(plan, results([5]))
     assert a.output == [5] and a.computed == 141
     for n in (200, 70):  # with a's decode: cutting 73 would save 55; cutting 7 saves 57, less than a step costs
         b = Sequence(list(range(100 * n, 101 * n)), SamplingParams(max_new_tokens=1), 1.0)
         s.add(b)
         plan = s.schedule()
         assert [(p.seq, p.n_tokens, p.sample) for p in plan.rows] == [(a, 1, True), (b, n, True)]
-        s.update(plan, [6, 7])
+        s.update(plan, results([6, 7]))
         s.remove(b)
 
 
@@ -90,7 +91,7 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
     for q in seqs:
         s.add(q)
     for _ in range(3):  # the 8-token budget admits one prompt per step
-        s.update(s.schedule(), [None])
+        s.update(s.schedule(), results([None]))
     assert len(s.running) == 3 and s.blocks.num_free == 2
     for q in seqs:
         q.output.append(1)  # each now needs a third block for its next token
@@ -108,8 +109,8 @@ def test_a_scored_prompt_runs_in_chunks_that_fit_the_lm_head_rows_and_skips_the_
     prompt = list(range(10, 20))
     a = Sequence(prompt + [1], SamplingParams(), 0.0)
     s.add(a)
-    s.update(s.schedule(), [None])
-    s.update(s.schedule(), [5])  # a's blocks are published; a decodes from now on
+    s.update(s.schedule(), results([None]))
+    s.update(s.schedule(), results([5]))  # a's blocks are published; a decodes from now on
     b = Sequence(prompt + [2], SamplingParams(prompt_logprobs=2), 1.0)
     c = Sequence([1, 2], SamplingParams(), 2.0)
     s.add(b)
@@ -125,7 +126,7 @@ def test_a_scored_prompt_runs_in_chunks_that_fit_the_lm_head_rows_and_skips_the_
             starts.append(p.start)
             got += p.targets
             b.scores.update({p.start + 1 + k: None for k in range(len(p.targets))})
-        s.update(plan, [7 if q.sample else None for q in plan.rows])
+        s.update(plan, results([7 if q.sample else None for q in plan.rows]))
     assert got == b.prompt[1:] and starts[0] == 0 and len(starts) >= 4
 
 

@@ -6,8 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from common.config import ServingConfig
+from tests.helpers import results
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, Sequence
+from server.step_plan import RowResult
 
 
 def drive(s: Scheduler, requests: list[tuple[int, Sequence, int | None]], max_steps: int) -> int:
@@ -30,7 +32,7 @@ def drive(s: Scheduler, requests: list[tuple[int, Sequence, int | None]], max_st
         plan = s.schedule()
         if live:
             assert plan, f"step {step}: empty plan with {len(s.running)} running, {len(s.waiting)} waiting"
-        s.update(plan, [len(p.seq.output) % 3 if p.sample else None for p in plan.rows])
+        s.update(plan, results([len(p.seq.output) % 3 if p.sample else None for p in plan.rows]))
         for p in plan.rows:
             if p.sample:
                 seq = p.seq
@@ -121,17 +123,28 @@ def drive_pipelined(s: Scheduler, requests: list[tuple[int, Sequence, int | None
     kv: dict[int, int] = {}
     last: dict[int, int] = {}
 
-    def run(sent: list) -> list[int | None]:  # the agent
+    def read(table: list[int], n: int) -> list[int]:
+        return [kv[table[q // bs] * bs + q % bs] for q in range(n)]
+
+    def run(sent: list) -> list[list[int]]:  # the agent: each row's emitted tokens
         outs = []
         for p, toks, table in sent:
-            toks = [last[p.seq.seq_id]] if p.feed else toks
+            if p.feed:  # its last sample, then drafts: the true continuation, every third one wrong
+                toks = [last[p.seq.seq_id]]
+                for j in range(p.spec):
+                    t = _next_token(read(table, p.start) + toks)
+                    toks.append(t if (p.start + j + p.seq.seq_id) % 3 else (t + 1) % 5)
             for i, t in enumerate(toks):
                 pos = p.start + i
                 kv[table[pos // bs] * bs + pos % bs] = t
-            outs.append(None)
-            if p.sample:
-                n = p.start + p.n_tokens
-                outs[-1] = last[p.seq.seq_id] = _next_token([kv[table[q // bs] * bs + q % bs] for q in range(n)])
+            emitted: list[int] = []
+            for j in range(p.spec + 1) if p.sample else []:  # verify: keep drafts while they are what it samples
+                emitted.append(_next_token(read(table, p.start + p.n_tokens - p.spec + j)))
+                if j == p.spec or toks[j + 1] != emitted[-1]:
+                    break
+            if emitted:
+                last[p.seq.seq_id] = emitted[-1]
+            outs.append(emitted)
         return outs
 
     waiting = sorted(requests, key=lambda r: r[0])
@@ -163,34 +176,35 @@ def drive_pipelined(s: Scheduler, requests: list[tuple[int, Sequence, int | None
                 return done
             continue
         plan, sent = inflight.popleft()
-        tokens = run(sent)
-        s.update(plan, [t if p.seq.seq_id in live and p.seq.seq_id not in cancelled else None
-                        for p, t in zip(plan.rows, tokens)])
-        for p, token in zip(plan.rows, tokens):
+        emitted = run(sent)
+        s.update(plan, [RowResult(e if p.seq.seq_id in live and p.seq.seq_id not in cancelled else [],
+                                  max(0, len(e) - 1), p.spec) for p, e in zip(plan.rows, emitted)])
+        for p, out in zip(plan.rows, emitted):
             seq = p.seq
             if seq.seq_id not in live:
                 continue  # ended while this step ran
-            if seq.seq_id in cancelled:
-                end = True
-            elif token is None:
-                continue
-            else:
-                end = token == 4 or len(seq.output) >= seq.params.max_new_tokens or len(seq.tokens) >= s.cfg.max_model_len
-            if end:
+            end = len(seq.output) if seq.seq_id in cancelled else None
+            for n, token in enumerate([] if end is not None else out, len(seq.output) - len(out) + 1):
+                if token == 4 or n >= seq.params.max_new_tokens or len(seq.prompt) + n >= s.cfg.max_model_len:
+                    end = n  # delivered in order: the tokens after the one that ends it are dropped
+                    break
+            if end is not None:
                 s.remove(seq)
-                done[seq.seq_id] = list(seq.output)
+                done[seq.seq_id] = list(seq.output[:end])
                 del live[seq.seq_id]
     raise AssertionError(f"not done after {max_steps} steps")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.sampled_from([1, 2]))
-def test_pipelined_steps_give_the_sequential_outputs(scenario, depth):
+@given(scenarios(), st.sampled_from([1, 2]), st.booleans())
+def test_pipelined_steps_give_the_sequential_outputs(scenario, depth, speculate):
     """Overlap (depth 2: step N+1 planned before N's tokens are back, decodes fed by the agent)
-    and depth 1 give every request the tokens of plain sequential generation, through preemption,
-    recompute, prefix reuse and cancels (a cancelled one: a prefix of them); no block leaks."""
+    and depth 1, with and without drafts (a third of them wrong, their KV written and left stale),
+    give every request the tokens of plain sequential generation, through preemption, recompute,
+    prefix reuse and cancels (a cancelled one: a prefix of them); no block leaks."""
     cfg, reqs = scenario
-    s = Scheduler(cfg)
+    cfg.spec_tokens, cfg.spec_max_batch = 3, 0
+    s = Scheduler(cfg, speculate=speculate)
     total = sum(len(q.prompt) + q.params.max_new_tokens for _, q, _ in reqs)
     done = drive_pipelined(s, reqs, depth, max_steps=40 + 20 * total)
     for _, seq, cancel in reqs:

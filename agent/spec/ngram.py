@@ -1,0 +1,31 @@
+"""Prompt lookup (vLLM's `ngram` method): the longest suffix of a sequence (`max_n` down to `min_n`
+tokens) that occurred earlier in its prompt or output proposes the tokens that followed it there."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class NgramProposer:
+    method = "ngram"
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt_lookup_min {min_n} and prompt_lookup_max {max_n}: need 1 <= min <= max")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        """Up to `k` drafts to follow `tokens` (the sequence so far, its last sample included)."""
+        size = tokens.size
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            tail = tokens[size - n:]
+            starts = np.flatnonzero(tokens[:size - n] == tail[0])  # each leaves a token after its n-gram
+            for t in range(1, n):
+                if not starts.size:
+                    break
+                starts = starts[tokens[starts + t] == tail[t]]
+            if starts.size:
+                # The latest occurrence that k tokens follow (else the latest): a copy goes on from there.
+                full = starts[starts + n + k <= size]
+                at = int(full[-1] if full.size else starts[-1]) + n
+                return tokens[at:at + k].copy()
+        return tokens[:0].copy()

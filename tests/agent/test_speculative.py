@@ -1,0 +1,167 @@
+"""Speculative decoding on the agent (agent/spec/): n-gram drafts verified in the packed step give
+token for token what plain decoding gives, greedy and seeded, alone and batched, with penalties
+and logprobs; the proposer itself on known sequences."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.spec.ngram import NgramProposer
+from server.sampling_params import SamplingParams
+from shm.arena import Arena, ArenaSpec
+from shm.step import RowInput, read_drafts
+from tests.agent.test_model_runner import make_runner
+
+LOOPY = [[5, 6, 7, 8, 9] * 6, [40, 41, 42, 40, 41, 42, 40, 41], [100, 3, 100, 3, 100], list(range(60, 75)) * 2]
+
+
+def test_ngram_proposes_what_followed_the_longest_suffix_seen_before():
+    p = NgramProposer(1, 3)
+    seq = np.array([1, 2, 3, 4, 5, 9, 2, 3], np.int32)
+    assert p.propose(seq, 3).tolist() == [4, 5, 9]  # "2 3" seen at 1..2, followed by 4 5 9
+    assert p.propose(np.array([1, 2, 3, 7], np.int32), 2).tolist() == []  # 7 never seen before
+    assert p.propose(np.array([8, 1, 8, 2, 8], np.int32), 2).tolist() == [2, 8]  # the latest "8" with 2 after it
+    assert NgramProposer(2, 3).propose(np.array([1, 2, 9, 2], np.int32), 2).tolist() == []  # 1-grams too short
+
+
+class SpecDriver:
+    """Prefill each prompt, then fed decode rows with `k` drafts each (0: plain decoding), all rows
+    per step; tokens are appended from each row's accepted drafts and its last token."""
+
+    def __init__(self, runner, params: SamplingParams, k: int):
+        self.runner, self.params, self.k, self.bs = runner, params, k, runner.rc.block_size
+        self.arena = Arena.private(ArenaSpec(256, 16, runner.rc.max_model_len // self.bs + 1))
+        self.next_block, self.accepted, self.short = 1, 0, 0  # drafts kept; rows the proposer left slots empty in
+
+    def _table(self, length: int, table: list[int]) -> list[int]:
+        while len(table) * self.bs < length:
+            table.append(self.next_block)
+            self.next_block += 1
+        return table
+
+    def run(self, prompts: list[list[int]], n_new: int, seq0: int = 0) -> list[list[int]]:
+        seqs, tables = [list(p) for p in prompts], [[] for _ in prompts]
+        rows = [RowInput(seq0 + i, np.asarray(p, np.int32), 0, self._table(len(p), tables[i]), True, self.params,
+                         len(p), 0) for i, p in enumerate(prompts)]
+        self._step(rows, seqs)
+        while min(len(s) - len(p) for s, p in zip(seqs, prompts)) < n_new:
+            rows = []
+            for i, (s, p) in enumerate(zip(seqs, prompts)):
+                k = max(0, min(self.k, n_new - (len(s) - len(p)) - 1))
+                rows.append(RowInput(seq0 + i, np.zeros(1 + k, np.int32), len(s) - 1,
+                                     self._table(len(s) + k, tables[i]), True, self.params, len(p), len(s) - len(p),
+                                     feed=True, spec=k))
+            self._step(rows, seqs)
+        return [s[:len(p) + n_new] for s, p in zip(seqs, prompts)]
+
+    def _step(self, rows: list[RowInput], seqs: list[list[int]]) -> None:
+        dims = self.arena.write_step(rows, self.bs)
+        v = self.arena.step(dims)
+        self.runner.step(v, [])
+        first = 0
+        for r, row in enumerate(rows):
+            a = int(v.outputs.accepted[r])
+            assert a <= v.outputs.drafted[r] <= row.spec
+            self.short += int(v.outputs.drafted[r] < row.spec)
+            seqs[r].extend(
+                [d.token for d in read_drafts(v.drafts, first, a, 0)] + [int(v.outputs.ids[r])])
+            first += row.spec
+            self.accepted += a
+
+
+def _proposing_runner(weights, block_size=16):
+    runner = make_runner(weights, block_size)
+    runner.seqs.proposer = NgramProposer(1, 3)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def spec_runner(tiny_weights):
+    return _proposing_runner(tiny_weights)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.1, top_p=0.9, seed=7),
+                                    SamplingParams(repetition_penalty=1.02, frequency_penalty=0.01, logprobs=3)],
+                         ids=["greedy", "seeded-top-p", "penalty-logprobs"])
+def test_drafts_change_no_token(spec_runner, params):
+    want = [SpecDriver(spec_runner, params, 0).run([p], 24, seq0=100 + i)[0] for i, p in enumerate(LOOPY)]
+    driver = SpecDriver(spec_runner, params, 4)
+    got = [driver.run([p], 24, seq0=200 + i)[0] for i, p in enumerate(LOOPY)]
+    assert got == want
+    batched = SpecDriver(spec_runner, params, 3)  # 4 rows of 1 + 3: the 16 LM-head rows of this runner
+    assert batched.run(LOOPY, 24, seq0=300) == want
+    assert driver.accepted > 0 and batched.accepted > 0  # drafts were accepted, not only proposed
+    assert driver.short > 0  # and rows whose empty draft slots the agent dropped gave the same tokens
+
+
+# ------------------------------------------------------------------ the verification's distribution
+V, DEPTH, TRIALS = 4, 3, 4000
+
+
+def _toy_logits(context: list[int]) -> np.ndarray:
+    """A tiny-vocabulary "model": fixed logits for every context."""
+    key = sum((t + 1) * 5 ** i for i, t in enumerate(context))
+    return (np.random.default_rng(key).normal(size=V) * 1.2).astype(np.float32)
+
+
+def _columns(n: int, temperature: float, top_p: float):
+    from shm.step import SamplingColumns
+    return SamplingColumns(**{f: np.full(n, v, dt) for f, v, dt in (
+        ("prompt_len", 1, np.int32), ("output_len", 0, np.int32), ("temperature", temperature, np.float32),
+        ("top_k", 0, np.int32), ("top_p", top_p, np.float32), ("min_p", 0.0, np.float32),
+        ("repetition_penalty", 1.0, np.float32), ("presence_penalty", 0.0, np.float32),
+        ("frequency_penalty", 0.0, np.float32), ("seed", -1, np.int64), ("n_logprobs", 0, np.int32),
+        ("n_prompt_logprobs", 0, np.int32))})
+
+
+def _draw(context: list[int], rng, temperature: float, top_p: float) -> int:
+    from agent.sampling import sample
+    lg = _toy_logits(context)[None, :].copy()
+    lse = np.log(np.exp(lg - lg.max()).sum(axis=1)) + lg.max()
+    return int(sample(lg, lse, _columns(1, temperature, top_p), [None], rng).ids[0])
+
+
+def _speculated(prompt: list[int], drafts: list[int], rng, temperature: float, top_p: float) -> tuple[int, ...]:
+    """The first DEPTH tokens: one verification of `drafts`, then plain sampling for the rest."""
+    from agent.sampling import sample
+    from agent.spec.verify import verify
+    logits = np.stack([_toy_logits(prompt + drafts[:j]) for j in range(len(drafts) + 1)])
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+
+    def sample_pass(lg, ls, at, j):
+        return sample(lg.copy(), ls, _columns(len(at), temperature, top_p), [None] * len(at), rng)
+
+    head = np.arange(len(drafts) + 1)[None, :]
+    final, accepted, kept = verify(sample_pass, lambda *_: None, logits, lse, np.array([0]), head,
+                                   np.array([drafts]), np.array([len(drafts)]), 0)
+    out = kept.ids[0, :accepted[0]].tolist() + [int(final.ids[0])]
+    while len(out) < DEPTH:
+        out.append(_draw(prompt + out, rng, temperature, top_p))
+    return tuple(out[:DEPTH])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.95)])
+def test_verified_drafts_keep_the_sampling_distribution(temperature, top_p):
+    """Chi-square, two samples of TRIALS: the first DEPTH tokens sampled plainly, and through one
+    verification of drafts that are often right (the plain chain's likeliest tokens) and sometimes
+    not; the two distributions over the V**DEPTH outcomes agree (p > 0.001, fixed seeds)."""
+    prompt, rng = [1, 2], np.random.default_rng(5)
+    plain: dict[tuple[int, ...], int] = {}
+    for _ in range(TRIALS):
+        out: list[int] = []
+        for _ in range(DEPTH):
+            out.append(_draw(prompt + out, rng, temperature, top_p))
+        plain[tuple(out)] = plain.get(tuple(out), 0) + 1
+    likely = []
+    for _ in range(DEPTH):
+        likely.append(int(np.argmax(_toy_logits(prompt + likely))))
+    spec: dict[tuple[int, ...], int] = {}
+    for t in range(TRIALS):
+        drafts = likely if t % 4 else [(x + 1) % V for x in likely]
+        key = _speculated(prompt, drafts, rng, temperature, top_p)
+        spec[key] = spec.get(key, 0) + 1
+    cells = [c for c in set(plain) | set(spec) if plain.get(c, 0) + spec.get(c, 0) >= 10]
+    stat = sum((plain.get(c, 0) - spec.get(c, 0)) ** 2 / (plain.get(c, 0) + spec.get(c, 0)) for c in cells)
+    df = len(cells) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
+    assert df >= 8 and stat < critical, (stat, critical, df)
