@@ -73,9 +73,31 @@ class RankDriver(PagedDriver):
         return seqs, got
 
 
+# The same greedy continuations, alone, with n-gram drafts (3 a step) verified on every rank;
+# positions from the rank's own history (ranks > 0 write no outputs).
+def speculated(prompts, steps):
+    from agent.spec.ngram import NgramProposer
+    from shm.step import RowInput
+    runner.seqs.proposer, drv, got = NgramProposer(1, 3), PagedDriver(runner), []
+    for i, p in enumerate(prompts):
+        sid, table = 100 + i, drv._table(len(p) + steps + 4, [])
+        rows = [RowInput(sid, np.asarray(p, np.int32), 0, table, True, drv.params, len(p), 0)]
+        while True:
+            runner.step(drv.arena.step(drv.arena.write_step(rows, drv.bs)), [])
+            n = len(runner.seqs.history(sid))
+            left = len(p) + steps + 1 - (n + 1)
+            if left <= 0:
+                break
+            k = min(3, left - 1)
+            rows = [RowInput(sid, np.zeros(1 + k, np.int32), n, table, True, drv.params, len(p), n + 1 - len(p),
+                             feed=True, spec=k)]
+        got.append((runner.seqs.history(sid).tolist() + [runner.seqs.last[sid]])[:len(p) + steps + 1])
+    return got
+
+
 seqs, logits = RankDriver(runner).run(PROMPTS, steps)
-json.dump({"seqs": seqs, "logits": logits, "kv": runner.model.kv_cache_bytes, "weights": runner.model.weight_bytes},
-          open(out, "w"))
+json.dump({"seqs": seqs, "logits": logits, "kv": runner.model.kv_cache_bytes, "weights": runner.model.weight_bytes,
+           "speculated": speculated(PROMPTS, steps) if native else seqs}, open(out, "w"))
 """
 
 
@@ -122,8 +144,9 @@ def one_rank(tmp_path_factory) -> dict:
 def test_ranks_match_one_rank_and_the_reference(size, one_rank, tiny_weights, tmp_path):
     ranks = run_group(size, tmp_path)
     cfg = tiny_model_config()
-    for r in ranks:  # every rank ends each step with rank 0's tokens and logits
+    for r in ranks:  # every rank ends each step with rank 0's tokens and logits, and drafts change none
         assert r["seqs"] == ranks[0]["seqs"] and r["logits"] == ranks[0]["logits"]
+        assert r["speculated"] == r["seqs"]
     assert ranks[0]["seqs"] == one_rank["seqs"]  # greedy tokens identical
     assert np.abs(np.array(ranks[0]["logits"]) - np.array(one_rank["logits"])).max() <= TP_TOL
     for prompt, seq, got in zip(PROMPTS, ranks[0]["seqs"], ranks[0]["logits"]):
