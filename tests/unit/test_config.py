@@ -2,6 +2,8 @@
 YAMLs read, the shipped configs clean, the vocabulary checks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -117,3 +119,22 @@ def test_shipped_configs_need_no_warning():
     from common.config import load_config
 
     assert load_config(ROOT / "configs/smollm2.yaml").notices == []
+
+
+def test_speculative_config_from_yaml_and_from_vllm_json(tmp_path):
+    from common.config import ConfigError, load_config, speculative_overrides
+
+    path = tmp_path / "spec.yaml"
+    path.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 5\n  prompt_lookup_max: 6\n")
+    cfg = load_config(path)
+    assert (cfg.spec_method, cfg.spec_tokens, cfg.spec_lookup_max, cfg.spec_lookup_min) == ("ngram", 5, 6, 2)
+    assert not any("speculative" in n for n in cfg.notices)
+    over = speculative_overrides('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}')
+    assert over == {"spec_method": "ngram", "spec_tokens": 3, "spec_max_batch": 4}
+    assert load_config(None, **over).spec_tokens == 3
+    for text, says in (('{"method": "eagle"}', "eagle is not served"), ('{"method": "ngram", "k": 2}', "unknown keys ['k']"),
+                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "prompt_lookup_min": 5}', "prompt_lookup_min = 5"), ("[1]", "JSON object"),
+                       ("{", "not JSON")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, **speculative_overrides(text))
