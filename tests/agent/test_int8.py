@@ -242,6 +242,7 @@ def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model
     from agent.model.calibrate import CALIBRATION_TEXT
     from common.config import int8_group
     from common.cpu import cpu_flags
+    from agent.graph_call import setup_mindspore
     from agent.runner import ModelRunner
     from agent.runner_config import RunnerConfig
     from agent.weights.load import load_model
@@ -277,6 +278,7 @@ def test_launch_agents_dtype_int8_serves_an_attached_server(tmp_path, tiny_model
         launcher.wait(60)
     files = ModelFiles("hf", tiny_model_dir)
     cfg, weights = load_model(files, 128, int8=True)
+    setup_mindspore()  # graph mode, as the agents run (alone, no earlier test of this process set it)
     rc = RunnerConfig(num_blocks=16, block_size=16, max_model_len=128, token_buckets=[1, 16], max_running=1,
                       model_dtype="int8", int8_group=int8_group("auto", cpu_flags()))  # as the agents chose
     runner = ModelRunner(cfg, weights, rc, calibration=load_tokenizer(files).encode(CALIBRATION_TEXT))
