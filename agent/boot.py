@@ -6,6 +6,7 @@ import logging
 import time
 
 from agent.graph_call import device_free_memory, setup_mindspore
+from agent.lora import AdapterError, lora_slots
 from agent.model.calibrate import CALIBRATION_TEXT
 from agent.model_config import ModelConfig
 from agent.runner import ModelRunner
@@ -50,15 +51,23 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
     if refusal:
         raise ConfigError(refusal)
     tok = load_tokenizer(files, cfg.tokenizer_path)
+    try:
+        lora = lora_slots(cfg, model_cfg)
+    except AdapterError as exc:
+        raise ConfigError(str(exc)) from None
     # The ranks of a group sample alike: one seed per replica.
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp,
                          calibration=tok.encode(CALIBRATION_TEXT) if int8 else None,
-                         grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size), proposer=proposer_for(cfg))
+                         grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size), proposer=proposer_for(cfg),
+                         lora=lora)
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,
              f", int8 scale per {GROUP_WORDS.get(rc.int8_group, rc.int8_group)}" if int8 else "", *device)
     log.info("CPU: %s; kernels: %s", describe(), runner.kernel_paths)
+    if lora is not None:
+        log.info("LoRA adapters: %s in %d slots of rank %d", ", ".join(f"{a.name} (rank {a.rank}, {a.nbytes / 2**20:.1f} MiB)"
+                                                                    for a in lora.adapters), lora.slots, lora.rank)
     if cfg.warmup:
         runner.warmup()
     log.info("model loaded and compiled in %.1fs (%d graphs)", time.monotonic() - t0, runner.graph_compiles)
@@ -69,13 +78,14 @@ def _agent_info(cfg: ServingConfig, files: ModelFiles, model_cfg: ModelConfig, r
                 device: tuple[str, int], owner_pid: int | None) -> AgentInfo:
     m = runner.model
     return AgentInfo(model_cfg.vocab_size, list(model_cfg.eos_token_ids), cfg.geometry,
-                     model_identity(cfg.model_name, files), *device, cfg.model_dtype,
+                     model_identity(cfg.model_name, files, cfg.lora_modules), *device, cfg.model_dtype,
                      m.weight_bytes, m.streamed_bytes, m.kv_cache_bytes, runner.kv_dtype,
                      activation_estimate(model_cfg, cfg), runner.kernel_paths,
                      launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
                      tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack,
                      planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0,
-                     speculative=runner.seqs.proposer.method if runner.seqs.proposer is not None else "")
+                     speculative=runner.seqs.proposer.method if runner.seqs.proposer is not None else "",
+                     adapters=tuple(cfg.lora_modules))
 
 
 def activation_estimate(model_cfg: ModelConfig, cfg: ServingConfig) -> int:

@@ -28,10 +28,12 @@ log = logging.getLogger("llm_serving.agent")
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: dict[str, Any], rc: RunnerConfig, seed: int = 0,
-                 calibration: list[int] | None = None, grammar_tokenizer: Any = None, proposer: Any = None):
+                 calibration: list[int] | None = None, grammar_tokenizer: Any = None, proposer: Any = None,
+                 lora: Any = None):
         """`calibration`: token ids of agent.model.calibrate.CALIBRATION_TEXT (int8 smoothing);
         `grammar_tokenizer`: common.grammar.ll_tokenizer's, for constrained decoding; `proposer`:
-        what drafts the rows that ask for drafts (agent/spec/), else they get none."""
+        what drafts the rows that ask for drafts (agent/spec/), else they get none; `lora`: the
+        LoRA adapters' slots (agent.model.lora.LoraSlots), which rows pick by their `adapter`."""
         if rc.max_model_len > model_cfg.max_position:
             model_cfg.max_position = rc.max_model_len
         self.cfg, self.rc = model_cfg, rc
@@ -40,12 +42,15 @@ class ModelRunner:
         int8 = rc.model_dtype == "int8"
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
         backend = Backend(rc.model_dtype, lib, kv_dtype_for(rc.kv_cache_dtype, rc.model_dtype, lib is not None),
-                          rc.int8_group, ranges, rc.tp.size)
+                          rc.int8_group, ranges, rc.tp.size, lora)
         self.kv_dtype = backend.kv_dtype
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype, rc.int8_group)
         shard_cfg, weights = shard(model_cfg, weights, rc.tp, lib)  # tensor parallel: this rank's share
         self.model = DecoderModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.graph = GraphCall(self.model)
+        self.lora_slots = lora.slots if lora is not None else 0
+        if rc.lora != (self.lora_slots, lora.rank if lora else 0):  # the compile-cache key names rc's
+            raise ValueError(f"RunnerConfig.lora {rc.lora}: the model's LoRA slots and rank differ")
         self.rng = np.random.default_rng(seed)
         self.seqs = SequenceState(proposer)
         if grammar_tokenizer is not None:
@@ -59,12 +64,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------ graph call
     def _run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, token_rows: np.ndarray,
-             tables: np.ndarray, logit_rows: np.ndarray, compile_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+             tables: np.ndarray, logit_rows: np.ndarray, compile_only: bool = False,
+             adapters: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One graph call; `adapters`: each token's LoRA adapter (0: none, k: slot k - 1)."""
         from mindspore import Tensor
 
         self.compiled.add((tokens.shape[0], tables.shape[0], logit_rows.shape[0]))
+        arrays = [tokens, positions, slots, token_rows, tables, logit_rows]
+        if self.model.lora is not None:  # each token's adapter slot, one-hot (padding: none)
+            mask = np.zeros((tokens.shape[0], self.lora_slots), np.float32)
+            if adapters is not None:
+                on = np.nonzero(adapters > 0)[0]
+                mask[on, adapters[on] - 1] = 1.0
+            arrays.append(mask)
         # Wrapped, not copied: the arrays are this call's own (docs/perf-notes.md).
-        args = [Tensor.from_numpy(a) for a in (tokens, positions, slots, token_rows, tables, logit_rows)]
+        args = [Tensor.from_numpy(a) for a in arrays]
         if compile_only:  # build (or load) the graph without running it: faster than a first run
             self.graph.compile(*args)
             return np.empty(0), np.empty(0)
@@ -94,7 +108,11 @@ class ModelRunner:
         tables[:n_rows, :have] = x.block_tables[:, :have]
         logit_rows = np.zeros(bucket(where.size, self.rc.logit_rows_for(t_pad)), np.int32)
         logit_rows[:where.size] = where
-        logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows)
+        adapters = None
+        if x.adapter.any():
+            adapters = np.zeros(t_pad, np.int32)
+            adapters[:n_tokens] = np.repeat(x.adapter, qlens)
+        logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows, adapters=adapters)
         return logits[:where.size], lse[:where.size]
 
     def step(self, v: StepView, free: list[int], grammars: list[list[Any]] | None = None) -> float:

@@ -40,6 +40,7 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (common.config.kv_dtype_for)
     int8_group: int = QUANT_GROUP_SIZE  # at most this many inputs per int8 scale (agent.model.quant.group_for; 0: 8 per row)
     tp: Group = Group()  # this runner's rank of a tensor-parallel group (agent.tensor_parallel)
+    lora: tuple[int, int] = (0, 0)  # LoRA slots and rank (agent.model.lora): extra columns in every graph
 
     def __post_init__(self) -> None:
         self.token_buckets = sorted(set(self.token_buckets))
@@ -52,7 +53,8 @@ class RunnerConfig:
         return cls(num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                    token_buckets=cfg.token_buckets, max_running=cfg.max_running, mixed_tokens=cfg.mixed_step_tokens,
                    prefill_rows=cfg.max_prefill_rows, model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                   int8_group=int8_group(cfg.quant_group_size, cpu_flags()), tp=tp)
+                   int8_group=int8_group(cfg.quant_group_size, cpu_flags()), tp=tp,
+                   lora=(cfg.max_loras, cfg.max_lora_rank) if cfg.lora_modules else (0, 0))
 
     @property
     def width(self) -> int:
@@ -82,7 +84,7 @@ def compile_cache_key(model_cfg: ModelConfig, rc: RunnerConfig) -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
     exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
     return (f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|"
-            f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}")
+            f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}|lora{rc.lora}")
 
 
 def graph_for(x: StepInputs, rc: RunnerConfig) -> tuple[int, int]:

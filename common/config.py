@@ -99,6 +99,9 @@ class ServingConfig:
     tokenizer_path: str | None = None
     chat_template: str | None = None  # a Jinja chat template or a file holding one; None: the model's own
     compile_cache_dir: str = ".cache/mindspore"
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> PEFT folder
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # speculative_config (vLLM's names): None = off
     spec_method: str | None = None
     spec_tokens: int = 8
@@ -256,6 +259,15 @@ def _check_together(c: ServingConfig) -> None:
     if c.spec_lookup_min > c.spec_lookup_max:
         raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
                           f"({c.spec_lookup_max})")
+    if len(c.lora_modules) > c.max_loras:
+        raise ConfigError(f"serving_config.lora_modules: {len(c.lora_modules)} adapters, more than max_loras "
+                          f"{c.max_loras} (every adapter is loaded at start: raise max_loras)")
+    clash = sorted(set(c.lora_modules) & {c.model_name, *c.model_aliases})
+    if clash:
+        raise ConfigError(f"serving_config.lora_modules: {clash} also name the base model")
+    if c.lora_modules and (c.model_dtype == "int8" or c.tensor_parallel_size > 1):
+        raise ConfigError("serving_config.lora_modules: adapters are served on a float model_dtype (float32, bfloat16, "
+                          "float16) without tensor parallel")
     if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:
         raise ConfigError(f"pa_config: {c.num_blocks - 1} usable blocks x block_size {c.block_size} hold "
                           f"{(c.num_blocks - 1) * c.block_size} tokens, less than one sequence of "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, as_blocks, as_bool, as_cores,
+from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, as_adapters, as_blocks, as_bool, as_cores,
                                   as_float, as_group, as_hosts, as_names, as_int, as_most, as_ports, as_sizes, lower, model_dtype,
                                   parse_bytes, port_ok)
 
@@ -224,6 +224,15 @@ KEYS: list[Key] = [
         here="ours: a Jinja chat template, or a file holding one, used instead of the model's own (as vLLM's "
              "`--chat-template`); a model without one (Gemma 3 270M's GGUF: configs/gemma3-270m.yaml) otherwise "
              "chats as `role: content` lines"),
+    # ---------------------------------------------------------------- LoRA adapters (vLLM's names)
+    Key(S, "lora_modules", "lora_modules", as_adapters,
+        here="ours: PEFT LoRA adapters served beside the base, `{name: folder}` (`--lora-modules name=folder`); a "
+             "request picks one by `model` (OpenAI), `adapter_id` (TGI) or `adapter` (the original's API). All are "
+             "loaded at start, each into a slot of every agent"),
+    Key(S, "max_loras", "max_loras", as_int, lambda v: v >= 1, ">= 1 (and >= the lora_modules)",
+        here="adapter slots per agent: a static shape of every graph (each slot costs its columns in every step)"),
+    Key(S, "max_lora_rank", "max_lora_rank", as_int, lambda v: 1 <= v <= 256, "in [1, 256]",
+        here="the largest adapter rank served; a larger one is refused at load"),
     # ---------------------------------------------------------------- speculative_config (vLLM's names)
     Key(X, "method", "spec_method", lower,
         here="ours: speculative decoding (`--speculative-config '{\"method\": \"ngram\"}'`): `ngram` drafts each "

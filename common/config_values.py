@@ -93,6 +93,18 @@ def as_names(v: Any) -> list[str]:
     return list(v)
 
 
+def as_adapters(v: Any) -> dict[str, str]:
+    """serving_config.lora_modules: {name: folder}, or vLLM's `name=path` strings."""
+    if isinstance(v, (str, list)):
+        pairs = [str(p).partition("=") for p in ([v] if isinstance(v, str) else v)]
+        if not all(name and eq and path for name, eq, path in pairs):
+            raise ValueError(v)
+        v = {name: path for name, _, path in pairs}
+    if not isinstance(v, dict) or not all(isinstance(k, str) and k and isinstance(p, str) and p for k, p in v.items()):
+        raise ValueError(v)
+    return dict(v)
+
+
 def as_blocks(v: Any) -> int:
     """pa_config.num_blocks: a count, or "auto" (0)."""
     return 0 if str(v).strip().lower() == "auto" else as_int(v)
@@ -110,7 +122,7 @@ def lower(value: Any) -> str:
 
 
 WHAT = {as_int: "an integer", as_float: "a number", as_bool: "true or false", parse_bytes: "a byte count such as 8GiB",
-        as_blocks: "an integer or auto", as_names: "a name or a list of names", as_cores: "a list of core lists", as_hosts: "a list of hosts",
+        as_blocks: "an integer or auto", as_adapters: "{name: folder} or name=folder strings", as_names: "a name or a list of names", as_cores: "a list of core lists", as_hosts: "a list of hosts",
         str: "a string"}
 
 

@@ -109,6 +109,17 @@ def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
     return int((s.layers * layer + head) * per + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
 
 
+def lora_bytes(s: ModelShape, slots: int, rank: int, dtype: str) -> int:
+    """LoRA's share of the weights (agent/model/lora.py): per projection kind, every slot's A rows
+    (padded to 64-row blocks) in the projection's `dtype`, and its `rank` B rows in float32."""
+    per = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.inter
+    total = 0
+    for modules, n_in, n_out in ((3, h, q + 2 * kv), (1, q, h), (2, h, 2 * i), (1, i, h)):
+        total += -(-slots * rank * modules // 64) * 64 * n_in * per + slots * rank * n_out * 4
+    return s.layers * total
+
+
 def kv_head_bytes(head_dim: int, dtype: str) -> int:
     """One head's key (or value) of one token in the cache: int8 values carry a float32 scale."""
     return {"float32": 4 * head_dim, "int8": head_dim + 4}.get(dtype, 2 * head_dim)
@@ -230,6 +241,8 @@ def plan(cfg: ServingConfig, files: ModelFiles, agents: int, device_free: int | 
     tp = getattr(cfg, "tensor_parallel_size", 1)
     shape = model_shape(files).rank(tp)  # per agent: one rank's share
     weights = weight_bytes(shape, cfg.model_dtype, tp)
+    if cfg.lora_modules:  # every slot, filled or not: the graphs' shapes
+        weights += lora_bytes(shape, cfg.max_loras, cfg.max_lora_rank, cfg.model_dtype)
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
     available = available_bytes() if cfg.device == "CPU" else cfg.device_memory or device_free
     if not cfg.num_blocks:

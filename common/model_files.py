@@ -5,7 +5,7 @@ import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -135,11 +135,13 @@ def resolve_model(model_path: str | None, model_cfg_path: str | None = None) -> 
     raise ValueError(f"unrecognised model path {p}: expected .gguf, .ckpt or a folder with config.json")
 
 
-def model_identity(name: str, files: ModelFiles) -> dict[str, str]:
-    """What a server and an agent compare at attach: the configured name, and a digest of the
-    model's files by name and size (cheap for a 13 GB checkpoint, and the same on both sides)."""
+def model_identity(name: str, files: ModelFiles, adapters: Iterable[str] = ()) -> dict[str, str]:
+    """What a server and an agent compare at attach: the configured name, a digest of the model's
+    files by name and size (cheap for a 13 GB checkpoint, and the same on both sides), and its LoRA
+    adapters' names in slot order (a request's adapter index means the same adapter on both)."""
     paths = sorted(files.path.iterdir()) if files.path.is_dir() else [files.path]
     if files.cfg_path is not None:
         paths.append(files.cfg_path)
     key = "|".join(f"{p.name}:{p.stat().st_size}" for p in paths if p.is_file())
-    return {"name": name, "digest": hashlib.sha1(f"{files.kind}|{key}".encode()).hexdigest()[:16]}
+    return {"name": name, "digest": hashlib.sha1(f"{files.kind}|{key}".encode()).hexdigest()[:16],
+            "adapters": ",".join(adapters)}

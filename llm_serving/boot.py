@@ -55,8 +55,8 @@ def connect_agent(cfg: ServingConfig, index: int, tag: str, timeout_s: float = 6
     try:
         if reset:
             client.call(P.RESET, timeout_s=timeout_s)
-        info = client.handshake(cfg.geometry, model_identity(cfg.model_name, resolve_model(cfg.model_path,
-                                                                                           cfg.model_cfg_path)), timeout_s)
+        files = resolve_model(cfg.model_path, cfg.model_cfg_path)
+        info = client.handshake(cfg.geometry, model_identity(cfg.model_name, files, cfg.lora_modules), timeout_s)
         if not cfg.num_blocks:  # num_blocks: auto, attached: the agents sized the pool (0 matches any)
             cfg.num_blocks = int(info.geometry["num_blocks"])
         want = (index % cfg.tensor_parallel_size, cfg.tensor_parallel_size)

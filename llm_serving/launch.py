@@ -15,6 +15,7 @@ from typing import Any
 
 from agent.logits_dump import ENV_DIR, ENV_EVERY
 from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
+from common.config_values import as_adapters
 from common.procs import Backoff
 from llm_serving.agents import AgentStartError, respawn_group, start_agents, stop_agents
 from shm.curve import INSECURE_ENV
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                     "without CURVE keys (warned about at every start)")
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
     ap.add_argument("--speculative-config", metavar="JSON", help="speculative_config as vLLM's JSON (as llm-serving's)")
+    ap.add_argument("--lora-modules", nargs="+", metavar="NAME=FOLDER", help="serving_config.lora_modules (as llm-serving's)")
     args = ap.parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.speculative_config:
             overrides.update(speculative_overrides(args.speculative_config))
+        if args.lora_modules:
+            overrides["lora_modules"] = as_adapters(args.lora_modules)
         cfg = load_config(args.config, **overrides)
     except ConfigError as exc:
         log.error("config: %s", exc, exc_info=args.verbose)

@@ -44,12 +44,18 @@ class LLM:
         self.engine, self.tok, self._procs = start_engine(self.cfg, config, overrides, attach)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None,
-                 progress: bool = True) -> list[Completion]:
+                 progress: bool = True, lora: str | None = None) -> list[Completion]:
         """Completions in the order of `prompts` (one prompt: a list of one). Greedy by default; a
-        request that fails raises RuntimeError with its reason."""
+        request that fails raises RuntimeError with its reason. `lora`: a LoRA adapter's name
+        (serving_config.lora_modules; None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return asyncio.run(self._run(list(prompts), params or SamplingParams(max_new_tokens=None), progress))
+        params = copy.copy(params or SamplingParams(max_new_tokens=None))
+        if lora is not None:
+            if lora not in self.cfg.lora_modules:
+                raise ValueError(f"lora {lora!r}: not one of serving_config.lora_modules {list(self.cfg.lora_modules)}")
+            params.adapter = list(self.cfg.lora_modules).index(lora) + 1
+        return asyncio.run(self._run(list(prompts), params, progress))
 
     async def _run(self, prompts: list[Prompt], params: SamplingParams, progress: bool) -> list[Completion]:
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not progress)

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
+from common.config_values import as_adapters
 from common.config_values import parse_bytes
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
@@ -92,6 +93,10 @@ def parser() -> argparse.ArgumentParser:
                     help="serving_config.overlap_steps: false (one step in flight at a time)")
     ap.add_argument("--speculative-config", metavar="JSON", help="speculative_config as vLLM's JSON, e.g. "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/config.md)")
+    ap.add_argument("--lora-modules", nargs="+", metavar="NAME=FOLDER", help="serving_config.lora_modules: PEFT "
+                    "LoRA adapters a request picks by `model` (vLLM's flag)")
+    ap.add_argument("--max-loras", dest="max_loras", type=int, help="serving_config.max_loras: adapter slots per agent")
+    ap.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="serving_config.max_lora_rank")
     ap.add_argument("--no-web-ui", dest="web_ui", action="store_false", default=None,
                     help="serving_config.web_ui: false (no chat page at /)")
     ap.add_argument("--host", dest="server_ip")
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
-                                               "overlap_steps", "web_ui", "device", "device_memory")
+                                               "overlap_steps", "web_ui", "device", "device_memory", "max_loras",
+                                               "max_lora_rank")
                  if getattr(args, k) is not None}
     if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)
         overrides["enable_prefix_caching"] = False
@@ -146,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.speculative_config:
             overrides.update(speculative_overrides(args.speculative_config))
+        if args.lora_modules:
+            overrides["lora_modules"] = as_adapters(args.lora_modules)
         cfg = configure(args, overrides)
     except (ConfigError, ValueError) as exc:
         return start_failed(f"config: {exc}", args.verbose)

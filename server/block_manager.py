@@ -56,26 +56,30 @@ class BlockManager:
     def _block(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
 
-    def chain_hashes(self, tokens: list[int], known: list[Key] | None = None) -> list[Key]:
-        """Key chain of the full blocks of `tokens`. `known` (a sequence's cache, a prefix of the
-        answer) is extended in place, so a growing sequence hashes each block once."""
+    def root_of(self, adapter: int) -> Key:
+        """Where a chain starts: the server's salt, and the LoRA adapter (KV is never shared across adapters)."""
+        return self.root if not adapter else hashlib.sha256(self.root + b"lora" + adapter.to_bytes(8, "little")).digest()
+
+    def chain_hashes(self, tokens: list[int], known: list[Key] | None = None, adapter: int = 0) -> list[Key]:
+        """Key chain of the full blocks of `tokens` (under `adapter`). `known` (a sequence's cache, a
+        prefix of the answer) is extended in place, so a growing sequence hashes each block once."""
         out = known if known is not None else []
-        parent = out[-1] if out else self.root
+        parent = out[-1] if out else self.root_of(adapter)
         for i in range(len(out), len(tokens) // self.block_size):
             parent = self.key(parent, self._block(tokens, i))
             out.append(parent)
         return out
 
-    def match_prefix(self, tokens: list[int]) -> list[int]:
+    def match_prefix(self, tokens: list[int], adapter: int = 0) -> list[int]:
         """Take references on cached full blocks that prefix `tokens`; at least one token is left to
         compute, so the last block is never taken when the whole prompt is cached."""
         if not self.prefix_caching:
             return []
-        hashes = self.chain_hashes(tokens[:len(tokens) - 1])
+        hashes, root = self.chain_hashes(tokens[:len(tokens) - 1], adapter=adapter), self.root_of(adapter)
         table: list[int] = []
         for i, h in enumerate(hashes):
             block = self.by_hash.get(h)
-            if block is None or self.content[block] != (hashes[i - 1] if i else self.root, self._block(tokens, i)):
+            if block is None or self.content[block] != (hashes[i - 1] if i else root, self._block(tokens, i)):
                 break
             if self.refs[block] == 0:
                 self.evictable.pop(block, None)
@@ -91,18 +95,19 @@ class BlockManager:
         table.extend(self._take() for _ in range(need))
         return True
 
-    def register_full(self, table: list[int], tokens: list[int], computed: int, hashes: list[Key]) -> None:
+    def register_full(self, table: list[int], tokens: list[int], computed: int, hashes: list[Key],
+                      adapter: int = 0) -> None:
         """Publish the computed full blocks of a sequence for prefix reuse; `hashes` is the
         sequence's chain-hash cache (see chain_hashes)."""
         if not self.prefix_caching:
             return
         full = computed // self.block_size
         if len(hashes) < full:
-            self.chain_hashes(tokens[:full * self.block_size], hashes)
+            self.chain_hashes(tokens[:full * self.block_size], hashes, adapter)
         for i, (block, h) in enumerate(zip(table[:full], hashes)):
             if block not in self.hash_of and h not in self.by_hash:
                 self.hash_of[block], self.by_hash[h] = h, block
-                self.content[block] = (hashes[i - 1] if i else self.root, self._block(tokens, i))
+                self.content[block] = (hashes[i - 1] if i else self.root_of(adapter), self._block(tokens, i))
 
     def release(self, table: list[int]) -> None:
         for block in table:

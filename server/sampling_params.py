@@ -37,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the prompt's tokens' logprobs with top-n alternatives (None: off)
     priority: int = 0
     grammar: str | None = None  # llguidance grammar text the output must match (common/grammar.py)
+    adapter: int = 0  # LoRA: 0 the base model, i serving_config.lora_modules' i-th (from the request's model name)
 
     def validate(self) -> "SamplingParams":
         floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,

@@ -44,6 +44,7 @@ class AgentInfo(Wire):
     pads_cost: bool = True  # a step computes its padding up to its token bucket (False: skipped, free)
     planned_bytes: int = 0  # its memory plan's bytes per agent (common/memory.py; 0: not planned, off CPU)
     speculative: str = ""  # the method its proposer drafts with (speculative_config.method; "": none)
+    adapters: tuple[str, ...] = ()  # its LoRA adapters by slot (serving_config.lora_modules' names)
     # Filled per reply:
     pid: int = 0
     rss_bytes: int = 0  # the process's resident memory now

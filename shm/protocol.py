@@ -17,7 +17,7 @@ import msgpack
 # 3: `a` rows are fed by the agent's own last samples (`feed` column); arena slots, a step names its `slot`.
 # 4: steps may carry `grammars`.
 # 5: prompt logprobs: a `targets` column, ScoreOutputs, `n_scored` in a step's header.
-VERSION = 6  # 6: speculative decoding: a `spec` column, `drafted`/`accepted`, DraftOutputs, `n_drafts`
+VERSION = 7  # 7: LoRA: an `adapter` column; 6: speculative decoding (`spec_len`, `drafted`/`accepted`, DraftOutputs)
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
 COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT})
@@ -36,7 +36,7 @@ E_FATAL = "fatal"  # the model step raised: the agent exits after this reply and
 
 # The KV geometry and model identity a server and its agent must agree on (handshake `geometry`, `model`).
 GEOMETRY_KEYS = ("block_size", "num_blocks", "max_model_len")
-MODEL_KEYS = ("name", "digest")
+MODEL_KEYS = ("name", "digest", "adapters")
 
 # Required header keys and their types, per command.
 _STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "slot": int, "free": list, "n_scored": int,

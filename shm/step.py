@@ -46,6 +46,8 @@ class StepInputs:
     # Speculative decoding: a fed row may carry this many draft tokens after its fed one (its query is
     # 1 + spec_len tokens; the agent proposes them, agent/spec/): all are verified in this step.
     spec_len: np.ndarray = col("int32", "R")
+    # LoRA: the row's adapter, 0 (the base model) or its slot + 1 on the agent (agent/model/lora.py)
+    adapter: np.ndarray = col("int32", "R")
 
 
 @dataclass
@@ -197,6 +199,7 @@ class RowInput:
     feed: bool = False  # take the query token from the agent's last sample (`tokens` is one placeholder)
     targets: np.ndarray | None = None  # per query token: -1 or the next prompt token it is scored against
     spec: int = 0  # draft tokens the agent proposes after the fed one (`tokens`: 1 + spec placeholders)
+    adapter: int = 0  # LoRA adapter slot + 1 (0: the base model)
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
     x.sample[:n] = [int(r.sample) for r in rows]
     x.feed[:n] = [int(r.feed) for r in rows]
     x.spec_len[:n] = [r.spec for r in rows]
+    x.adapter[:n] = [r.adapter for r in rows]
     x.targets[:n_tokens] = np.concatenate([np.full(len(r.tokens), -1, np.int32) if r.targets is None else r.targets
                                            for r in rows])
     for f in fields(SamplingColumns):

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.reset:
             client.call(P.RESET)
-        info = [r.handshake(cfg.geometry, model_identity(cfg.model_name, files), timeout_s=600) for r in ranks][0]
+        info = [r.handshake(cfg.geometry, model_identity(cfg.model_name, files, cfg.lora_modules), timeout_s=600) for r in ranks][0]
         stop = set() if args.ignore_eos else set(info.eos_token_ids)
         ids, steps = generate(client, prompt, args.max_tokens, chunk, cfg.block_size, stop)
     except (AgentError, TimeoutError) as exc:

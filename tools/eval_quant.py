@@ -117,7 +117,7 @@ def greedy(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
         slots = (tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32)
         x = SimpleNamespace(tokens=tokens, positions=positions, slots=slots, query_lens=qlens, block_tables=tables,
                             targets=np.full(len(tokens), -1, np.int32),  # nothing scored
-                            spec_len=np.zeros(len(qlens), np.int32))  # no drafts
+                            spec_len=np.zeros(len(qlens), np.int32), adapter=np.zeros(len(qlens), np.int32))  # no drafts, no LoRA
         logits, _ = runner.forward(x)
         tokens = logits.argmax(-1).astype(np.int32)
         for r, t in enumerate(tokens):

@@ -9,6 +9,9 @@
 //   caches, come stacked in one tensor [layers, ...] each: ~14-22 inputs, not 188 (fp32) or 428 (int8).
 // Tensor-parallel ranks (their partial sums are combined between the parts) and float weights
 // padded to whole blocks keep four ops a layer.
+// LoRA (agent/model/lora.py): each weight then has every adapter slot's A rows after its own, so
+// each call's output holds x·W and x·A of every slot; `Lora::expand` adds each token's own slot's
+// (x·A)·B to x·W and packs the rows back to x·W's width before the next call reads them.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +20,7 @@
 #include "buffers.h"
 #include "dnnl.h"
 #include "kv_rows.h"
+#include "parallel.h"
 #include "prologue.h"
 #include "rows.h"
 
@@ -49,7 +53,9 @@ struct Args {
 // outputs, applied before each residual add) [L, P]; then the
 // weights of Q|K|V, o, gate|up and down, `per` inputs each, every layer's stacked [L, ...] (`per`:
 // 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g, or oneDNN's packed bytes, sw [N, 1], g). Output: the final RMSNorm of
-// the last layer's output [n, H] (its gain is folded into the LM head).
+// the last layer's output [n, H] (its gain is folded into the LM head). With LoRA, 5 inputs more:
+// each token's slot, one-hot [n, slots] (zeros: none), and the expand rows of Q|K|V, o, gate|up
+// and down, [L, slots, rank, the kind's width] each.
 constexpr int COS = 1, SIN = 2, POSITIONS = 3, SLOTS = 4, CONTEXT = 5, ROWS = 6, EPS = 7, K_CACHE = 8, V_CACHE = 9,
               PROLOGUE = 10, WEIGHTS = 11;
 
@@ -70,8 +76,8 @@ struct Stack {
   const char **dtypes;
 
   // Whether every stacked input has `layers` slices of a known element type.
-  bool valid(int inputs) const {
-    for (int in = K_CACHE; in < inputs; ++in)
+  bool valid() const {
+    for (int in = K_CACHE; in < WEIGHTS + 4 * per; ++in)
       if (ndims[in] < 2 || shapes[in][0] != layers || !element_bytes(dtypes[in])) return false;
     return true;
   }
@@ -93,14 +99,78 @@ struct Stack {
   }
 };
 
+// The LoRA inputs after the weights (none: `on` is false and every width is the weight's). Kind k
+// fuses MODULES[k] modules (Q|K|V, o, gate|up, down); a slot's x·A columns are module by module,
+// `rank` each, and its B rows [rank, width] hold each module's B^T in that module's output columns.
+constexpr int64_t MODULES[4] = {3, 1, 2, 1};
+
+struct Lora {
+  bool on = false;
+  const float *mask = nullptr;
+  int64_t slots = 0;
+  const float *b[4] = {};  // per kind [L, slots, rank, width]
+  int64_t rank[4] = {}, out[4] = {}, cols[4][4] = {};  // cols: each module's first output column, then the width
+
+  // Reads the inputs from `first` on (kv_width: K's columns of Q|K|V); false where their shapes do
+  // not fit the weights'.
+  bool read(const Stack &st, int first, void **params, int *ndims, int64_t **shapes, int64_t padded, int64_t kv_width) {
+    on = true;
+    if (ndims[first] != 2 || shapes[first][0] != padded) return false;
+    mask = static_cast<const float *>(params[first]);
+    slots = shapes[first][1];
+    for (int k = 0; k < 4; ++k) {
+      const int in = first + 1 + k;
+      if (ndims[in] != 4 || shapes[in][0] != st.layers || shapes[in][1] != slots) return false;
+      b[k] = static_cast<const float *>(params[in]), rank[k] = shapes[in][2], out[k] = shapes[in][3];
+      if (out[k] + slots * MODULES[k] * rank[k] > st.width(k)) return false;
+    }
+    const int64_t q = out[0] - 2 * kv_width, i = out[2] / 2;
+    const int64_t c[4][4] = {{0, q, q + kv_width, out[0]}, {0, out[1]}, {0, i, out[2]}, {0, out[3]}};
+    std::memcpy(cols, c, sizeof(cols));
+    return q > 0;
+  }
+  // Columns of kind k's x·W (the weight's own rows, without the adapters').
+  int64_t width(const Stack &st, int k) const { return on ? out[k] : st.width(k); }
+  // y [n, stride]: x·W in its first out[k] columns, then x·A of every slot. Each token's row gets its
+  // slot's (x·A)·B, module by module, and the rows are packed to out[k] columns (row t moves down to
+  // t * out[k], below every later row's start, so rows are moved in order).
+  void expand(float *y, int64_t n, int64_t stride, int k, int64_t layer) const {
+    if (!on) return;
+    const int64_t w = out[k], r = rank[k], per_slot = MODULES[k] * r;
+    kernels::parallel_ranges(n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float *row = y + t * stride;
+        for (int64_t s = 0; s < slots; ++s) {
+          const float on_s = mask[t * slots + s];
+          if (on_s == 0.f) continue;
+          const float *u = row + w + s * per_slot, *bs = b[k] + (layer * slots + s) * r * w;
+          for (int64_t m = 0; m < MODULES[k]; ++m)
+            for (int64_t j = 0; j < r; ++j) {
+              const float c = u[m * r + j] * on_s;
+              if (c == 0.f) continue;  // a rank below the slot's: its rows are zeros
+              const float *bj = bs + j * w;
+              for (int64_t o = cols[k][m]; o < cols[k][m + 1]; ++o) row[o] += c * bj[o];
+            }
+        }
+      }
+    });
+    for (int64_t t = 1; t < n; ++t) std::memmove(y + t * w, y + t * stride, w * sizeof(float));
+  }
+};
+
 int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_linear, Op *add_rms, int nparam,
                   void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra) {
-  const int inputs = nparam - 1;
-  if (ndims[0] != 2 || inputs != WEIGHTS + 4 * per || ndims[K_CACHE] < 1) return 1;
+  const int inputs = nparam - 1, plain = WEIGHTS + 4 * per;
+  if (ndims[0] != 2 || (inputs != plain && inputs != plain + 5) || ndims[K_CACHE] < 1) return 1;
   const Stack st{per, shapes[K_CACHE][0], params, ndims, shapes, dtypes};
-  if (!st.valid(inputs) || (per == 1 ? ndims[st.weight(0, 0)] != 4 : ndims[st.weight(0, 1)] != 3)) return 1;
-  const int64_t padded = shapes[0][0], h = shapes[0][1], nqkv = st.width(0), ngu = st.width(2);
-  if (st.width(1) != h || st.width(3) != h) return 1;  // padded float blocks: the model keeps four ops
+  if (!st.valid() || (per == 1 ? ndims[st.weight(0, 0)] != 4 : ndims[st.weight(0, 1)] != 3)) return 1;
+  const int64_t padded = shapes[0][0], h = shapes[0][1];
+  Lora lora;
+  const int64_t kv_width = shapes[K_CACHE][2] * kernels::cache_head_dim(shapes[K_CACHE][3], dtypes[K_CACHE]);
+  if (inputs > plain && !lora.read(st, plain, params, ndims, shapes, padded, kv_width)) return 1;
+  const int64_t nqkv = lora.width(st, 0), ngu = lora.width(st, 2);
+  if (lora.width(st, 1) != h || lora.width(st, 3) != h) return 1;  // padded float blocks: the model keeps four ops
+  const int64_t wq = st.width(0), wo = st.width(1), wg = st.width(2), wd = st.width(3);  // each call's output
   const int64_t hd = kernels::cache_head_dim(shapes[K_CACHE][3], dtypes[K_CACHE]);
   const int64_t pro_len = shapes[PROLOGUE][1], post_gains = kernels::prologue::length(nqkv, hd);
   const bool sandwich = pro_len == kernels::prologue::sandwich_length(nqkv, hd, h);
@@ -118,9 +188,10 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   float *out = static_cast<float *>(params[nparam - 1]);
   std::fill(out + n * h, out + padded * h, 0.f);
   thread_local kernels::line_vector<float> x, mid, attn, gu, delta, qkv;
-  delta.assign(n * h, 0.f);  // layer 0 adds nothing: the embeddings, their norm and Q|K|V in one call
-  x.resize(n * h), mid.resize(n * h), attn.resize(n * h), gu.resize(n * ngu), qkv.resize(n * nqkv);
+  delta.assign(n * wd, 0.f);  // layer 0 adds nothing: the embeddings, their norm and Q|K|V in one call
+  x.resize(n * h), mid.resize(n * h), attn.resize(n * wo), gu.resize(n * wg), qkv.resize(n * wq);
   int64_t hs[2] = {n, h}, gs[2] = {n, ngu}, qs[2] = {n, nqkv};
+  int64_t qo[2] = {n, wq}, ao[2] = {n, wo}, go[2] = {n, wg}, dout[2] = {n, wd};  // the calls' outputs
   float *in = static_cast<float *>(params[0]);
   auto f32 = [](kernels::line_vector<float> &v) { return static_cast<void *>(v.data()); };
 
@@ -130,8 +201,9 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   first.take(params, ndims, shapes, dtypes, EPS);
   st.weights(first, 0, 0);
   first.add(f32(x), 2, hs, "float32");
-  first.add(f32(qkv), 2, qs, "float32");
+  first.add(f32(qkv), 2, qo, "float32");
   if (int rc = first.run(add_rms_linear, stream, extra)) return rc;
+  lora.expand(qkv.data(), n, wq, 0, 0);
 
   for (int64_t i = 0; i < st.layers; ++i) {
     Args a;  // attention, output projection: RopeAttention's 10 inputs (qkv first), o, the output
@@ -142,8 +214,9 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
     for (int k : {CONTEXT, ROWS}) a.take(params, ndims, shapes, dtypes, k);
     st.slice(a, PROLOGUE, i);
     st.weights(a, 1, i);
-    a.add(f32(attn), 2, hs, "float32");
+    a.add(f32(attn), 2, ao, "float32");
     if (int rc = a.run(attention_linear, stream, extra)) return rc;
+    lora.expand(attn.data(), n, wo, 1, i);
     const float *gains = static_cast<const float *>(params[PROLOGUE]) + i * pro_len + post_gains;
     if (sandwich)
       for (int64_t r = 0; r < n; ++r) kernels::rms_gain_row(attn.data() + r * h, h, eps, gains);
@@ -154,15 +227,17 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
     b.take(params, ndims, shapes, dtypes, EPS);
     st.weights(b, 2, i);
     b.add(f32(mid), 2, hs, "float32");
-    b.add(f32(gu), 2, gs, "float32");
+    b.add(f32(gu), 2, go, "float32");
     if (int rc = b.run(add_rms_linear, stream, extra)) return rc;
+    lora.expand(gu.data(), n, wg, 2, i);
 
     Args c;  // SwiGLU or GeGLU, down
     c.add(f32(gu), 2, gs, "float32");
     c.take(params, ndims, shapes, dtypes, EPS);
     st.weights(c, 3, i);
-    c.add(f32(delta), 2, hs, "float32");
+    c.add(f32(delta), 2, dout, "float32");
     if (int rc = c.run(swiglu_linear, stream, extra)) return rc;
+    lora.expand(delta.data(), n, wd, 3, i);
     if (sandwich)
       for (int64_t r = 0; r < n; ++r) kernels::rms_gain_row(delta.data() + r * h, h, eps, gains + h);
 
@@ -179,8 +254,9 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
     }
     st.weights(d, 0, i + 1);
     d.add(f32(x), 2, hs, "float32");
-    d.add(f32(qkv), 2, qs, "float32");
+    d.add(f32(qkv), 2, qo, "float32");
     if (int rc = d.run(add_rms_linear, stream, extra)) return rc;
+    lora.expand(qkv.data(), n, wq, 0, i + 1);
   }
   return 1;  // no layers
 }

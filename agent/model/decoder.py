@@ -19,7 +19,8 @@ from mindspore import Tensor, nn, ops
 from agent.model.backend import Backend
 from agent.model.params import KV_DTYPES, param, zeros_param
 from agent.model.linear import LayerWeights
-from agent.model.fusion import embedding, layer_prologues, post_gain_offset
+from agent.model.fusion import embedding, layer_prologues, post_gain_offset, row_scale
+from agent.model.lora import LoraExpand, b_stacks
 from agent.model_config import ModelConfig, rope_tables
 from common.memory import kv_head_bytes
 
@@ -43,6 +44,8 @@ class DecoderModel(nn.Cell):
         proj = backend.projections(cfg, weights, attn_scale, self.norms, k, embed if cfg.tie_word_embeddings else None)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
+        # LoRA: each projection's output then carries every slot's x·A too (agent.model.lora)
+        self.lora = LoraExpand(b_stacks(backend.lora, cfg, row_scale(cfg, attn_scale)), cfg) if backend.lora else None
         self.stack_op = backend.stack_op(cfg, k)  # every decoder layer in one op, or None: four a layer
         self.one_op_stack = self.stack_op is not None
         prologues = LayerWeights("prologue", cfg.num_layers, self.one_op_stack)  # agent.model.fusion.layer_prologues
@@ -82,39 +85,52 @@ class DecoderModel(nn.Cell):
         return sum(p.nbytes for p in self.get_parameters() if "_cache" in p.name)
 
     def construct(self, tokens: Tensor, positions: Tensor, slots: Tensor, token_rows: Tensor,
-                  block_tables: Tensor, logit_rows: Tensor) -> Tensor:
+                  block_tables: Tensor, logit_rows: Tensor, lora_mask: Tensor | None = None) -> Tensor:
         """One token-packed step (decode rows and prefill chunks in any mix): tokens, positions,
         slots and token_rows (each token's sequence) [T] int32; block_tables [R, W] int32 with W
         fixed by max_model_len, so no shape depends on context length; logit_rows [S] int32 indices
         into T of the tokens that sample. Returns logits [S, vocab] and their log-sum-exp [S] (for
-        log-probabilities without a second pass over the vocabulary)."""
+        log-probabilities without a second pass over the vocabulary). With LoRA, `lora_mask` [T, slots]:
+        each token's adapter slot, one-hot (zeros: the base model)."""
         c = self.attn.context(positions, token_rows, block_tables, self.cos_table, self.sin_table)
         x = ops.gather(self.embed, tokens, 0)
-        if self.one_op_stack:
+        if self.one_op_stack and self.lora is None:
             h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, self.k_cache, self.v_cache, self.prologue,
                               *self.qkv.every_layer(), *self.o.every_layer(), *self.gate_up.every_layer(),
                               *self.down.every_layer())
+        elif self.one_op_stack:
+            h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, self.k_cache, self.v_cache, self.prologue,
+                              *self.qkv.every_layer(), *self.o.every_layer(), *self.gate_up.every_layer(),
+                              *self.down.every_layer(), lora_mask, *self.lora.inputs())
         else:
-            h = self.four_op_layers(x, c, slots)
+            h = self.four_op_layers(x, c, slots, lora_mask)
         # h is the final norm of every token (its gain folded into the head); only sampling tokens go on.
         logits = self.comm.gather(self.head.linear(ops.gather(h, logit_rows, 0), 0))
         return logits, self.norms.logsumexp(logits)
 
-    def four_op_layers(self, x: Tensor, c: tuple, slots: Tensor) -> Tensor:
+    def four_op_layers(self, x: Tensor, c: tuple, slots: Tensor, m: Tensor | None) -> Tensor:
         """The decoder layers as four ops each, where no stack op runs them: the final norm of the
-        last layer's output."""
-        qkv = self.qkv.linear(self.norms.rms(x), 0)
+        last layer's output (`m`: the LoRA mask, as `construct` takes it)."""
+        qkv = self.adapted(self.qkv.linear(self.norms.rms(x), 0), "qkv", 0, m)
         delta = x  # each layer's MLP output; graph mode wants it bound before the loop that assigns it
         h, g = self.cfg.hidden_size, self.post_gains
         for i in range(self.cfg.num_layers):
-            attn = self.comm.reduce(self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i],
-                                                            self.v_cache[i], self.prologue[i], i))
+            attn = self.comm.reduce(self.adapted(self.o.attention_linear(self.attn, qkv, c, slots, self.k_cache[i],
+                                                                         self.v_cache[i], self.prologue[i], i), "o", i, m))
             if self.cfg.family.sandwich_norms:
                 attn = self.norms.rms_gain(attn, self.prologue[i][g:g + h])
             x, gu = self.gate_up.add_norm_linear(x, attn, i)
-            delta = self.comm.reduce(self.down.swiglu_linear(gu, i))
+            gu = self.adapted(gu, "gate_up", i, m)
+            delta = self.comm.reduce(self.adapted(self.down.swiglu_linear(gu, i), "down", i, m))
             if self.cfg.family.sandwich_norms:
                 delta = self.norms.rms_gain(delta, self.prologue[i][g + h:g + 2 * h])
             if i + 1 < self.cfg.num_layers:
                 x, qkv = self.qkv.add_norm_linear(x, delta, i + 1)
+                qkv = self.adapted(qkv, "qkv", i + 1, m)
         return self.norms.add_rms(x, delta)[1]
+
+    def adapted(self, y: Tensor, kind: str, i: int, m: Tensor | None) -> Tensor:
+        """A projection's output with its LoRA expand (as it is without adapters)."""
+        if self.lora is None:
+            return y
+        return self.lora.expand(y, kind, i, m)

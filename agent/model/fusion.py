@@ -79,9 +79,10 @@ def layer_prologues(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterator
         yield out
 
 
-def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterator[dict[str, np.ndarray]]:
+def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float, lora: Any = None) -> Iterator[dict[str, np.ndarray]]:
     """Per layer (one at a time: a large model never holds a second full copy), each projection's
-    [out, in] float32 matrix, gains and attention scale folded in."""
+    [out, in] float32 matrix, gains and attention scale folded in; `lora` (agent.model.lora.LoraSlots):
+    its adapters' A rows after the matrix's own, the gain folded into them alike."""
     attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
         gains = _gains(cfg, w, i)
@@ -90,6 +91,8 @@ def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterato
             mat = np.concatenate([_float(m) for m in parts], axis=0)
             if name == "qkv":
                 mat[:cfg.num_heads * cfg.head_dim] *= attn_scale
+            if lora is not None:
+                mat = np.concatenate([mat, lora.a_rows(i, name, mat.shape[1])])
             out[name] = mat * gains[name][None, :]
         yield out
 

@@ -39,6 +39,7 @@ class Engine:
                  metrics: Metrics | None = None, restart: Restart | None = None):
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = metrics or Metrics()
+        self.metrics.adapter_names = ["", *cfg.lora_modules]
         self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
         for lane in self.lanes:
             self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info.graph_compiles))

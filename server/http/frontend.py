@@ -52,13 +52,17 @@ class Frontend:
 
     @property
     def served_names(self) -> list[str]:
-        return [self.cfg.model_name, *self.cfg.model_aliases]
+        """The base model's names, then its LoRA adapters'."""
+        return [self.cfg.model_name, *self.cfg.model_aliases, *self.cfg.lora_modules]
 
-    def check_model(self, name: str | None) -> None:
-        """A request's `model`: absent, or a name this server serves (OpenAI's 404 otherwise)."""
+    def check_model(self, name: str | None) -> int:
+        """A request's `model` (or adapter): absent, or a name this server serves (OpenAI's 404
+        otherwise). Returns its LoRA adapter (SamplingParams.adapter: 0 the base model)."""
         if name is not None and name not in self.served_names:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {self.served_names}",
                            code="model_not_found")
+        adapters = list(self.cfg.lora_modules)
+        return adapters.index(name) + 1 if name in adapters else 0
 
     @staticmethod
     def of(http: HttpRequest) -> "Frontend":

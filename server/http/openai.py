@@ -83,9 +83,10 @@ def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest) -> Response:
-    f.check_model(body.model)
+    adapter = f.check_model(body.model)
     chat = isinstance(body, ChatRequest)
     params = body.to_sampling_params()
+    params.adapter = adapter
     prompt = await request_prompt(f, body)
     ids = await f.prepare(prompt, params)
     echo = f.prompt_text(prompt, ids) if body.echo else ""
@@ -202,5 +203,8 @@ async def chat_completions(body: ChatRequest, http: HttpRequest, f: Frontend = D
 
 @router.get("/v1/models")
 async def models(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
+    base = f.cfg.model_name  # a LoRA adapter names its base as `parent` (vLLM's field)
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llm-serving",
-                                        "max_model_len": f.cfg.max_model_len} for name in f.served_names]}
+                                        "max_model_len": f.cfg.max_model_len,
+                                        **({"parent": base} if name in f.cfg.lora_modules else {})}
+                                       for name in f.served_names]}

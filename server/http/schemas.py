@@ -96,13 +96,18 @@ class GenerationParameters(SamplingFields):
     watermark: bool = False
     best_of: Int | None = None
     decoder_input_details: bool = False
-    adapter_id: str | None = None
+    adapter_id: str | None = None  # a LoRA adapter by name (TGI's; the original API's `adapter` too)
+    adapter: str | None = None
+
+    def adapter_name(self) -> str | None:
+        if self.adapter_id is not None and self.adapter is not None and self.adapter_id != self.adapter:
+            raise InvalidRequest("parameters.adapter_id and parameters.adapter name different adapters")
+        return self.adapter_id if self.adapter_id is not None else self.adapter
 
     def to_sampling_params(self, top_k: int = 0, prompt_details: bool = False) -> SamplingParams:
         """`prompt_details`: the route returns the prompt's logprobs (TGI's /generate)."""
         unsupported = {"typical_p": self.typical_p not in (None, 1.0), "truncate": self.truncate is not None,
-                       "watermark": self.watermark, "best_of": self.best_of not in (None, 1),
-                       "adapter_id": self.adapter_id is not None}
+                       "watermark": self.watermark, "best_of": self.best_of not in (None, 1)}
         for name, asked in unsupported.items():
             if asked:
                 raise InvalidRequest(f"parameters.{name} is not supported by this server")

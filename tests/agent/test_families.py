@@ -52,10 +52,12 @@ def runner_for(folder: str, dtype: str = "float32", native: bool = True, files: 
     return runner
 
 
-def forced_logits(runner: ModelRunner, seqs: list[np.ndarray], prompt_lens: list[int]) -> list[np.ndarray]:
+def forced_logits(runner: ModelRunner, seqs: list[np.ndarray], prompt_lens: list[int],
+                  adapters: list[int] | None = None) -> list[np.ndarray]:
     """Each sequence's logits at its last prompt token and every later one: the prompts in one step,
-    then one token per sequence a step, fed from `seqs` (teacher forcing)."""
-    arena = Arena.private(ArenaSpec(256, 8, MAX_LEN // BLOCK + 1))
+    then one token per sequence a step, fed from `seqs` (teacher forcing); `adapters`: each one's
+    LoRA adapter (RowInput.adapter)."""
+    arena = Arena.private(ArenaSpec(256, max(8, len(seqs)), MAX_LEN // BLOCK + 1))
     tables = [list(range(1 + i * (MAX_LEN // BLOCK), 1 + (i + 1) * (MAX_LEN // BLOCK))) for i in range(len(seqs))]
     got: list[list[np.ndarray]] = [[] for _ in seqs]
     fed = [0] * len(seqs)
@@ -63,7 +65,8 @@ def forced_logits(runner: ModelRunner, seqs: list[np.ndarray], prompt_lens: list
     while any(u <= len(s) for u, s in zip(upto, seqs)):
         live = [i for i, s in enumerate(seqs) if upto[i] <= len(s)]
         rows = [RowInput(i, np.asarray(seqs[i][fed[i]:upto[i]], np.int32), fed[i], tables[i], True,
-                         SamplingParams(), prompt_lens[i], upto[i] - prompt_lens[i]) for i in live]
+                         SamplingParams(), prompt_lens[i], upto[i] - prompt_lens[i],
+                         adapter=adapters[i] if adapters else 0) for i in live]
         logits, _ = runner.forward(arena.step(arena.write_step(rows, BLOCK)).inputs)
         for k, i in enumerate(live):
             got[i].append(logits[k].copy())

@@ -92,7 +92,8 @@ def test_stop_mid_answer_cancels_it_on_the_server(browser, server):
     # text has arrived while the answer still runs (the stop button is live): streamed, not all at the end
     page.wait_for_function("document.querySelector('.msg.assistant').textContent.length > 0 && "
                            "!document.getElementById('stop').disabled")
-    page.click("#stop")
+    with server.agents_paused():  # no step ends while the button is clicked: the answer cannot end first
+        page.click("#stop")
     sync_api.expect(page.locator(".stats")).to_contain_text("stopped")
     page.wait_for_function(f"fetch('/metrics').then(r => r.text()).then(t => t.includes('{CANCELLED} {before + 1}'))")
     page.close()

@@ -138,3 +138,22 @@ def test_speculative_config_from_yaml_and_from_vllm_json(tmp_path):
                        ("{", "not JSON")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(None, **speculative_overrides(text))
+
+
+def test_lora_modules_from_yaml_and_the_command_line_and_their_refusals(tmp_path):
+    from common.config import ConfigError, load_config
+    from common.config_values import as_adapters
+
+    path = tmp_path / "lora.yaml"
+    path.write_text("serving_config:\n  lora_modules: {ft1: /a, ft2: /b}\n  max_loras: 2\n  max_lora_rank: 8\n")
+    cfg = load_config(path)
+    assert (cfg.lora_modules, cfg.max_loras, cfg.max_lora_rank) == ({"ft1": "/a", "ft2": "/b"}, 2, 8)
+    assert as_adapters(["ft1=/a", "ft2=/b=c"]) == {"ft1": "/a", "ft2": "/b=c"}  # vLLM's --lora-modules
+    for bad in (["ft1"], ["=/a"], {"ft1": 3}):
+        with pytest.raises(ValueError):
+            as_adapters(bad)
+    for overrides, says in (({"max_loras": 1}, "2 adapters, more than max_loras 1"),
+                            ({"lora_modules": {"smollm2": "/a"}}, "['smollm2'] also name the base model"),
+                            ({"model_dtype": "int8"}, "float model_dtype"), ({"max_lora_rank": 0}, "max_lora_rank")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(path, **overrides)

@@ -1,0 +1,125 @@
+"""LoRA adapters against transformers + PEFT (tests/fixtures/lora, written by tools/make_lora_goldens.py
+from PEFT's float32 forward): two adapters of different ranks, targets and scaling (rsLoRA) on the tiny
+Llama and Qwen2 fixtures, in slots of one model, and sequences of the base and of each adapter packed
+into the same steps. Each sequence's logits are PEFT's within float32's tolerance (1e-4 of the largest
+logit) and its greedy tokens PEFT's. Refusals: every field or tensor that cannot be served, by name."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from agent.graph_call import setup_mindspore
+from agent.lora.peft import AdapterError, read_adapter
+from agent.model.lora import LoraSlots
+from agent.runner import ModelRunner
+from agent.runner_config import RunnerConfig
+from agent.weights.load import load_model
+from common.memory import ModelShape, lora_bytes, weight_bytes
+from common.model_files import ModelFiles
+from tests.agent.test_families import BLOCK, FIXTURES as FAMILIES, MAX_LEN, TOLERANCE, forced_logits
+from tests.helpers import ROOT
+
+LORA = ROOT / "tests" / "fixtures" / "lora"
+ADAPTERS = ("qv8", "all16")
+
+
+def lora_runner(base: str, native: bool, slots: int = 3, dtype: str = "float32") -> ModelRunner:
+    """The fixture base with both adapters in slots 0 and 1 (slot 2 left empty)."""
+    setup_mindspore()
+    cfg, weights = load_model(ModelFiles("hf", FAMILIES / base), max_position=MAX_LEN)
+    adapters = [read_adapter(name, LORA / base / name, cfg, 16) for name in ADAPTERS]
+    n_seqs = 12
+    rc = RunnerConfig(num_blocks=1 + n_seqs * (MAX_LEN // BLOCK), block_size=BLOCK, max_model_len=MAX_LEN,
+                      token_buckets=[16, 128] if native else [128], max_running=n_seqs, native_kernels=native,
+                      model_dtype=dtype, lora=(slots, 16))
+    runner = ModelRunner(cfg, weights, rc, lora=LoraSlots(adapters, slots, 16))
+    runner.warmup()
+    return runner
+
+
+def golden(base: str, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    z = np.load(LORA / base / f"{name}.npz")
+    return [(z[f"ids{i}"], z[f"logits{i}"]) for i in range(len(z.files) // 2)]
+
+
+@pytest.mark.parametrize("base,native,dtype", [("llama-tf5", True, "float32"), ("qwen2-tf5", True, "float32"),
+                                               ("llama-tf5", False, "float32"), ("qwen2-tf5", True, "bfloat16")],
+                         ids=["llama-native", "qwen2-native", "llama-plain", "qwen2-bf16"])
+def test_base_and_adapters_packed_together_match_peft(base, native, dtype):
+    """Every prompt three times in the same steps (base, adapter 1, adapter 2): each its own reference's
+    logits at every position of its greedy continuation (float32's tolerance, or bfloat16 weights' and
+    A rows': tests/agent/test_families.py), and so its greedy tokens (bfloat16: where PEFT's top two
+    are further apart than that)."""
+    runner, tol = lora_runner(base, native, dtype=dtype), TOLERANCE[dtype]
+    c = runner.cfg  # the memory plan counts the slots' bytes as they are held
+    shape = ModelShape(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
+                       c.head_dim, c.max_position)
+    planned = weight_bytes(shape, dtype) + lora_bytes(shape, 3, 16, dtype)
+    assert abs(runner.model.weight_bytes - planned) <= 0.02 * planned, (runner.model.weight_bytes, planned)
+    refs = {a: golden(base, name) for a, name in enumerate(("base", *ADAPTERS))}
+    cases = [(a, i) for a in refs for i in range(len(refs[0]))]
+    seqs = [refs[a][i][0] for a, i in cases]
+    prompt_lens = [len(ids) - 16 for ids in seqs]  # every continuation is 16 tokens
+    got = forced_logits(runner, seqs, prompt_lens, [a for a, _ in cases])
+    for (a, i), ids, n, ours in zip(cases, seqs, prompt_lens, got):
+        want = refs[a][i][1][n - 1:]
+        scale = np.abs(want).max()
+        assert np.abs(ours - want).max() <= tol * scale, f"{base}: adapter {a}, prompt {i}"
+        top2 = np.sort(want, -1)[:-1, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * tol * scale
+        assert (ours.argmax(-1)[:-1] == ids[n:])[clear].all()  # the greedy continuation PEFT took
+        if a:  # the adapter changes the model (at the prompt's last token): one not applied would fail here
+            assert np.abs(want[0] - refs[0][i][1][n - 1]).max() > 0.1 * scale  # ours: 0.2-0.8
+
+
+def _copy(tmp_path, base: str = "llama-tf5", name: str = "all16"):
+    folder = tmp_path / name
+    shutil.copytree(LORA / base / name, folder)
+    return folder, json.loads((folder / "adapter_config.json").read_text())
+
+
+def _cfg():
+    return load_model(ModelFiles("hf", FAMILIES / "llama-tf5"), max_position=MAX_LEN)[0]
+
+
+@pytest.mark.parametrize("field,value", [("use_dora", True), ("bias", "lora_only"), ("modules_to_save", ["lm_head"]),
+                                         ("rank_pattern", {"q_proj": 4}), ("peft_type", "IA3")])
+def test_variants_we_do_not_serve_are_refused_by_field(tmp_path, field, value):
+    folder, c = _copy(tmp_path)
+    c[field] = value
+    (folder / "adapter_config.json").write_text(json.dumps(c))
+    with pytest.raises(AdapterError, match=field):
+        read_adapter("x", folder, _cfg(), 16)
+
+
+def test_rank_over_the_limit_a_module_we_lack_and_another_base_are_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    cfg = _cfg()
+    with pytest.raises(AdapterError, match="rank 16 is over max_lora_rank 8"):
+        read_adapter("x", LORA / "llama-tf5" / "all16", cfg, 8)
+    folder, _ = _copy(tmp_path)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    head = {"base_model.model.lm_head.lora_A.weight": np.zeros((16, 64), np.float32)}
+    save_file({**tensors, **head}, folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="lm_head.lora_A.weight is not served"):
+        read_adapter("x", folder, cfg, 16)
+    key = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    save_file({**tensors, key: np.zeros((16, 96), np.float32)}, folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="another base model"):
+        read_adapter("x", folder, cfg, 16)
+
+
+def test_the_compile_cache_keeps_lora_graphs_apart():
+    """Graphs with LoRA slots take more inputs and wider projections: a server started with adapters
+    never loads the cached graphs of one started without (they served non-finite logits once)."""
+    from agent.runner_config import compile_cache_key
+    from common.config import ServingConfig
+
+    cfg = _cfg()
+    keys = {compile_cache_key(cfg, RunnerConfig.from_serving(ServingConfig(num_blocks=64, max_model_len=MAX_LEN, **kw)))
+            for kw in ({}, {"lora_modules": {"a": "/x"}}, {"lora_modules": {"a": "/x"}, "max_lora_rank": 8})}
+    assert len(keys) == 3

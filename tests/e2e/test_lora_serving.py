@@ -1,0 +1,78 @@
+"""LoRA adapters served over HTTP by real processes (serving_config.lora_modules): two random adapters of
+the tiny model beside the base, picked by OpenAI `model`, TGI `adapter_id` and the original API's
+`adapter`. Requests for the base and the adapters interleaved in the same steps each give the text the
+same request gives alone; a prompt whose blocks the base cached is computed afresh for an adapter (no KV
+shared across adapters); the names are listed with their parent; a name not served is a 404 naming it."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.conftest import TINY
+from tests.helpers import ServerProcess, tiny_config
+from tools.lora_adapter import random_adapter
+
+# longer than a KV block (4 tokens here): the base caches its blocks before an adapter asks for them
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("lora")
+    adapters = {"ft-a": str(random_adapter(tmp / "a", TINY, rank=8, seed=1)),
+                "ft-b": str(random_adapter(tmp / "b", TINY, rank=16, modules=("q_proj", "v_proj", "down_proj"), seed=2))}
+    srv = ServerProcess(tiny_config(tmp, tiny_model_dir, lora_modules=adapters, max_loras=3))
+    yield srv
+    srv.stop()
+
+
+def _openai(url: str, model: str, prompt: str = PROMPT, computed_in_full: bool = False) -> str:
+    """A greedy completion's text; `computed_in_full`: with the prompt's logprobs (echo), which no
+    cached block can give, so the whole prompt is computed under this model."""
+    scored = {"echo": True, "logprobs": 1} if computed_in_full else {}
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
+                                                  "temperature": 0, **scored}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"].removeprefix(prompt if computed_in_full else "")
+
+
+def test_each_adapter_gives_its_own_text_alone_and_interleaved(server):
+    names = ["tiny", "ft-a", "ft-b"]
+    base = _openai(server.url, "tiny")  # caches the prompt's blocks for the base model
+    full = {n: _openai(server.url, n, computed_in_full=True) for n in ("ft-a", "ft-b")}
+    alone = {"tiny": base, **{n: _openai(server.url, n) for n in ("ft-a", "ft-b")}}
+    assert alone == {"tiny": base, **full}  # an adapter's request never ran on the base's cached KV
+    assert len(set(alone.values())) == 3  # each adapter changes the model
+
+    order, out = names * 3, {}
+    threads = [threading.Thread(target=lambda i=i, n=n: out.__setitem__(i, _openai(server.url, n)))
+               for i, n in enumerate(order)]
+    with server.agents_paused():  # all nine admitted before a step ends: they share steps, however slow the machine
+        for t in threads:
+            t.start()
+        server.stats_until(lambda s: s["running"] + s["waiting"] == len(order))
+    for t in threads:
+        t.join(180)
+    assert [out[i] for i in range(len(order))] == [alone[n] for n in order]
+
+
+def test_tgi_and_original_name_adapters_and_models_lists_them(server):
+    want = _openai(server.url, "ft-b")
+    r = httpx.post(f"{server.url}/generate", json={"inputs": PROMPT, "parameters": {
+        "adapter_id": "ft-b", "max_new_tokens": 12, "do_sample": False}}, timeout=120)
+    assert r.status_code == 200 and r.json()["generated_text"] == want
+    models = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("ft-a", "tiny"), ("ft-b", "tiny")]
+    r = httpx.post(f"{server.url}/models/tiny/generate", json={"inputs": PROMPT, "parameters": {
+        "adapter": "ft-b", "max_new_tokens": 12, "do_sample": False}}, timeout=120)
+    assert r.status_code == 200 and r.json()["generated_text"] == want  # the original API's `adapter`
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "ft-x", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and "ft-x" in r.text
+    r = httpx.post(f"{server.url}/generate", json={"inputs": "hi", "parameters": {"adapter_id": "nope"}}, timeout=30)
+    assert r.status_code == 404 and "nope" in json.dumps(r.json())
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'llm_serving_lora_requests_finished_total{adapter="ft-b",reason="length"}' in metrics
+    assert 'llm_serving_lora_generation_tokens_total{adapter="ft-b"}' in metrics
