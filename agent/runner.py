@@ -14,6 +14,7 @@ from agent.graph_call import GraphCall, freeze_compile_cache
 from agent.model.backend import Backend
 from agent.model_config import ModelConfig
 from agent.model.decoder import DecoderModel
+from agent.model.lora import write_slot
 from agent.runner_config import RunnerConfig, bucket, graph_for, logit_positions, row_starts
 from agent.grammar import Grammars
 from agent.sampling import sample, score
@@ -48,7 +49,7 @@ class ModelRunner:
         shard_cfg, weights = shard(model_cfg, weights, rc.tp, lib)  # tensor parallel: this rank's share
         self.model = DecoderModel(shard_cfg, weights, rc.num_blocks * rc.block_size, rc.block_size, backend)
         self.graph = GraphCall(self.model)
-        self.lora_slots = lora.slots if lora is not None else 0
+        self.lora, self.lora_slots = lora, lora.slots if lora is not None else 0
         if rc.lora != (self.lora_slots, lora.rank if lora else 0):  # the compile-cache key names rc's
             raise ValueError(f"RunnerConfig.lora {rc.lora}: the model's LoRA slots and rank differ")
         self.rng = np.random.default_rng(seed)
@@ -203,6 +204,15 @@ class ModelRunner:
             g.consume(constrained, res.ids)
         self.seqs.sampled(seq_ids, res.ids)
         return res
+
+    def load_adapter(self, slot: int, adapter: Any) -> None:
+        """LoRA: `adapter` (agent.lora.peft.Adapter; None: empty the slot) into slot `slot`, between
+        steps: rows with `adapter` slot + 1 run with it from the next step on."""
+        if self.lora is None or not 0 <= slot < self.lora.slots:
+            raise ValueError(f"LoRA slot {slot}: this model has {self.lora_slots} (serving_config.max_loras)")
+        if adapter is not None and adapter.rank > self.lora.rank:
+            raise ValueError(f"LoRA adapter {adapter.name}: rank {adapter.rank} is over max_lora_rank {self.lora.rank}")
+        write_slot(self.model, self.lora, slot, adapter)
 
     def reset(self) -> None:
         self.seqs.reset()

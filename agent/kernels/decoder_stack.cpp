@@ -133,24 +133,44 @@ struct Lora {
   int64_t width(const Stack &st, int k) const { return on ? out[k] : st.width(k); }
   // y [n, stride]: x·W in its first out[k] columns, then x·A of every slot. Each token's row gets its
   // slot's (x·A)·B, module by module, and the rows are packed to out[k] columns (row t moves down to
-  // t * out[k], below every later row's start, so rows are moved in order).
+  // t * out[k], below every later row's start, so rows are moved in order). Grouped as punica's
+  // SGMV: per slot, per module, per 256 columns, every token of the slot in turn while that block
+  // of B (rank x 256 floats) stays in L1; a token at a time re-read its slot's whole B.
   void expand(float *y, int64_t n, int64_t stride, int k, int64_t layer) const {
     if (!on) return;
+    constexpr int64_t CHUNK = 256;
     const int64_t w = out[k], r = rank[k], per_slot = MODULES[k] * r;
-    kernels::parallel_ranges(n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        float *row = y + t * stride;
-        for (int64_t s = 0; s < slots; ++s) {
-          const float on_s = mask[t * slots + s];
-          if (on_s == 0.f) continue;
-          const float *u = row + w + s * per_slot, *bs = b[k] + (layer * slots + s) * r * w;
-          for (int64_t m = 0; m < MODULES[k]; ++m)
-            for (int64_t j = 0; j < r; ++j) {
-              const float c = u[m * r + j] * on_s;
-              if (c == 0.f) continue;  // a rank below the slot's: its rows are zeros
-              const float *bj = bs + j * w;
-              for (int64_t o = cols[k][m]; o < cols[k][m + 1]; ++o) row[o] += c * bj[o];
-            }
+    thread_local std::vector<std::vector<int64_t>> tokens;
+    tokens.assign(slots, {});
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t s = 0; s < slots; ++s)
+        if (mask[t * slots + s] != 0.f) tokens[s].push_back(t);
+    struct Item { int64_t s, m, begin, end; };
+    thread_local std::vector<Item> items;
+    items.clear();
+    for (int64_t s = 0; s < slots; ++s) {
+      if (tokens[s].empty()) continue;
+      for (int64_t m = 0; m < MODULES[k]; ++m)
+        for (int64_t o = cols[k][m]; o < cols[k][m + 1]; o += CHUNK)
+          items.push_back({s, m, o, std::min(o + CHUNK, cols[k][m + 1])});
+    }
+    // the workers read this thread's lists (a thread_local named inside the lambda is the worker's own)
+    const auto &by_slot = tokens;
+    const auto &work = items;
+    kernels::parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t it = begin; it < end; ++it) {
+        const Item &c = work[it];
+        const float *bs = b[k] + (layer * slots + c.s) * r * w;
+        for (int64_t t : by_slot[c.s]) {
+          float *row = y + t * stride;
+          const float *u = row + w + c.s * per_slot + c.m * r;
+          const float on_s = mask[t * slots + c.s];
+          for (int64_t j = 0; j < r; ++j) {
+            const float coef = u[j] * on_s;
+            if (coef == 0.f) continue;  // a rank below the slot's: its rows are zeros
+            const float *bj = bs + j * w;
+            for (int64_t o = c.begin; o < c.end; ++o) row[o] += coef * bj[o];
+          }
         }
       }
     });

@@ -93,6 +93,7 @@ def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float, lora: Any 
                 mat[:cfg.num_heads * cfg.head_dim] *= attn_scale
             if lora is not None:
                 mat = np.concatenate([mat, lora.a_rows(i, name, mat.shape[1])])
+                lora.gains[(i, name)] = np.asarray(gains[name], np.float32)
             out[name] = mat * gains[name][None, :]
         yield out
 

@@ -60,6 +60,14 @@ class Projection(nn.Cell):
     def stored(prepared: Any) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
+    def layer_view(self, i: int) -> np.ndarray:
+        """Layer i's stored weight array (the first), on the Parameter's own memory."""
+        return self.w0[i].asnumpy() if isinstance(self.w0, ms.ParameterTuple) else self.w0.asnumpy()[i]
+
+    def put_rows(self, i: int, start: int, rows: np.ndarray) -> None:
+        """Output rows start.. of layer i's matrix [out, in] (LoRA slots: agent.model.lora.write_slot)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no LoRA rows")
+
     def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
         """The residual add, the RMSNorm after it and this projection: (x + delta, rms(x + delta) @ W_i)."""
         x, h = self.norms.add_rms(x, delta)
@@ -92,6 +100,9 @@ class PlainLinear(Projection):
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         return self.matmul_t(x, self.w0[i])
+
+    def put_rows(self, i: int, start: int, rows: np.ndarray) -> None:
+        self.layer_view(i)[start:start + rows.shape[0]] = rows.astype(self.dtype)
 
 
 class PlainF16Linear(PlainLinear):
@@ -156,6 +167,12 @@ class F32Linear(NativeLinear):
 
     def out(self, y: Tensor) -> Tensor:
         return y[:, :self.width] if self.padded else y
+
+    def put_rows(self, i: int, start: int, rows: np.ndarray) -> None:
+        view = self.layer_view(i)  # [N/64, K, 64]: output row c is column c % 64 of block c // 64
+        for r, row in enumerate(rows):
+            c = start + r
+            view[c // BF16_BLOCK, :, c % BF16_BLOCK] = self.convert(row)
 
     def weights(self, i: int) -> tuple:
         return (self.w0[i],)

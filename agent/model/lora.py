@@ -9,12 +9,13 @@ on the four-op and plain paths). The slot count and the rank are fixed at load, 
 shapes are too: no graph is built after ready."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from agent.model.fusion import row_scale
 from agent.model.params import param
 from agent.model_config import ModelConfig
 
@@ -23,13 +24,20 @@ KIND_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_u
 COLUMN_BLOCK = 64  # the extra rows come in whole weight blocks (agent.model.linear.BF16_BLOCK)
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoraSlots:
     """`adapters` (each with `.mats`: (layer, module) -> (A [r, in], B [out, r], scaling folded
-    in)) in slots 0.. of `slots`, each of rank <= `rank`."""
-    adapters: Sequence[Any]
+    in); None: an empty slot) in slots 0.. of `slots`, each of rank <= `rank`. `gains`: what the
+    base folds into each (layer, kind)'s input, kept for slots written later (`write_slot`)."""
+    adapters: list[Any]
     slots: int
     rank: int
+    gains: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.adapters) > self.slots:
+            raise ValueError(f"{len(self.adapters)} LoRA adapters for {self.slots} slots")
+        self.adapters = list(self.adapters) + [None] * (self.slots - len(self.adapters))
 
     def kind_rank(self, kind: str) -> int:
         """Columns one slot has in a projection kind: `rank` per module it fuses."""
@@ -44,7 +52,7 @@ class LoraSlots:
         out = np.zeros((self.extra(kind), n_in), np.float32)
         for s, adapter in enumerate(self.adapters):
             for j, module in enumerate(KIND_MODULES[kind]):
-                ab = adapter.mats.get((layer, module))
+                ab = adapter.mats.get((layer, module)) if adapter is not None else None
                 if ab is not None:
                     start = s * self.kind_rank(kind) + j * self.rank
                     out[start:start + ab[0].shape[0]] = ab[0]
@@ -57,7 +65,7 @@ class LoraSlots:
         offsets = np.cumsum([0, *widths])
         out = np.zeros((cfg.num_layers, self.slots, self.rank, int(offsets[-1])), np.float32)
         for s, adapter in enumerate(self.adapters):
-            for (layer, module), (a, b) in adapter.mats.items():
+            for (layer, module), (a, b) in (adapter.mats.items() if adapter is not None else ()):
                 if module in KIND_MODULES[kind]:
                     j = KIND_MODULES[kind].index(module)
                     out[layer, s, :a.shape[0], offsets[j]:offsets[j + 1]] = b.T * np.float32(row_scale[j])
@@ -105,3 +113,20 @@ class LoraExpand(nn.Cell):
                  for m in range(modules)]
         delta = parts[0] if modules == 1 else ops.concat(parts, 1)
         return y[:, :n] + delta
+
+
+def write_slot(model: Any, lora: LoraSlots, slot: int, adapter: Any) -> None:
+    """`adapter` (None: empty the slot) into slot `slot` of a built model (agent.model.decoder), in
+    place: its A rows into each projection's extra rows (the base's gains folded in, stored as the
+    projection stores rows), its B rows into the expand's. Between steps only; no graph changes."""
+    one = LoraSlots([adapter], 1, lora.rank)
+    stacks = b_stacks(one, model.cfg, row_scale(model.cfg, model.cfg.scale))
+    for kind in KIND_MODULES:
+        proj, b = getattr(model, kind), model.lora.kind(kind)
+        n, rk = b.shape[3], lora.kind_rank(kind)
+        for i in range(model.cfg.num_layers):
+            gain = lora.gains[(i, kind)]
+            rows = one.a_rows(i, kind, gain.shape[0])[:rk] * gain[None, :]
+            proj.put_rows(i, n + slot * rk, rows)
+        b.asnumpy()[:, slot] = stacks[kind][:, 0]
+    lora.adapters[slot] = adapter

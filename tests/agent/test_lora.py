@@ -123,3 +123,30 @@ def test_the_compile_cache_keeps_lora_graphs_apart():
     keys = {compile_cache_key(cfg, RunnerConfig.from_serving(ServingConfig(num_blocks=64, max_model_len=MAX_LEN, **kw)))
             for kw in ({}, {"lora_modules": {"a": "/x"}}, {"lora_modules": {"a": "/x"}, "max_lora_rank": 8})}
     assert len(keys) == 3
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
+def test_a_slot_written_between_steps_serves_its_new_adapter(native):
+    """An adapter written into a built model's slot (the graphs as they are) gives PEFT's logits from
+    the next step on; a slot emptied gives the base model's; a rank over the slots' is refused."""
+    runner = lora_runner("llama-tf5", native, slots=2)  # qv8 in slot 0, all16 in slot 1
+    cfg = runner.cfg
+    refs = {name: golden("llama-tf5", name) for name in ("base", *ADAPTERS)}
+
+    def worst(name: str, adapter: int) -> float:
+        seqs = [ids for ids, _ in refs[name]]
+        lens = [len(ids) - 16 for ids in seqs]
+        got = forced_logits(runner, seqs, lens, [adapter] * len(seqs))
+        return max(float(np.abs(g - ref[n - 1:]).max() / np.abs(ref[n - 1:]).max())
+                   for g, (_, ref), n in zip(got, refs[name], lens))
+
+    all16 = runner.lora.adapters[1]
+    runner.load_adapter(0, all16)  # slot 0 now holds what slot 1 holds
+    assert worst("all16", 1) <= TOLERANCE["float32"]
+    runner.load_adapter(1, read_adapter("qv8", LORA / "llama-tf5" / "qv8", cfg, 16))
+    assert worst("qv8", 2) <= TOLERANCE["float32"]
+    runner.load_adapter(0, None)
+    assert worst("base", 1) <= TOLERANCE["float32"]
+    with pytest.raises(ValueError, match="rank 16 is over max_lora_rank 8"):
+        runner.lora.rank = 8
+        runner.load_adapter(0, all16)
