@@ -66,8 +66,8 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
              f", int8 scale per {GROUP_WORDS.get(rc.int8_group, rc.int8_group)}" if int8 else "", *device)
     log.info("CPU: %s; kernels: %s", describe(), runner.kernel_paths)
     if lora is not None:
-        log.info("LoRA adapters: %s in %d slots of rank %d", ", ".join(f"{a.name} (rank {a.rank}, {a.nbytes / 2**20:.1f} MiB)"
-                                                                    for a in lora.adapters), lora.slots, lora.rank)
+        held = [f"{a.name} (rank {a.rank}, {a.nbytes / 2**20:.1f} MiB)" for a in lora.adapters if a is not None]
+        log.info("LoRA: %d slots of rank %d; at start: %s", lora.slots, lora.rank, ", ".join(held) or "none")
     if cfg.warmup:
         runner.warmup()
     log.info("model loaded and compiled in %.1fs (%d graphs)", time.monotonic() - t0, runner.graph_compiles)

@@ -54,7 +54,7 @@ class RunnerConfig:
                    token_buckets=cfg.token_buckets, max_running=cfg.max_running, mixed_tokens=cfg.mixed_step_tokens,
                    prefill_rows=cfg.max_prefill_rows, model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
                    int8_group=int8_group(cfg.quant_group_size, cpu_flags()), tp=tp,
-                   lora=(cfg.max_loras, cfg.max_lora_rank) if cfg.lora_modules else (0, 0))
+                   lora=(cfg.max_loras, cfg.max_lora_rank) if cfg.lora_enabled else (0, 0))
 
     @property
     def width(self) -> int:

@@ -1,5 +1,5 @@
 """The agent's protocol server: one attached server at a time, its step commands (`*`, `a`) run on
-the model runner, attach `#`, detach `e`, reset `r`, heartbeats; the failure replies of
+the model runner, attach `#`, detach `e`, reset `r`, heartbeats, LoRA slots `l`; the failure replies of
 shm.protocol. agent/main.py boots the process and hands it a loaded runner."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from agent.lora.peft import AdapterError, read_adapter
 from agent.runner_config import graph_for
 from common.procs import pid_alive, rss_bytes
 from shm import protocol as P
@@ -137,6 +138,19 @@ class AgentServer:
         return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles,
                          rss_bytes()).to_wire(), frames
 
+    def _load_adapter(self, peer: bytes, h: dict[str, Any]) -> dict[str, Any]:
+        """`l`: the PEFT folder at `path` (None: nothing) into LoRA slot `slot`, from the next step on."""
+        if peer != self.peer:
+            raise CommandError(P.E_NOT_ATTACHED, "l from a server that is not attached (send # first)")
+        r = self.runner
+        try:
+            adapter = None if h["path"] is None else read_adapter(h["name"], h["path"], r.cfg, r.lora.rank if r.lora else 0)
+            r.load_adapter(h["slot"], adapter)
+        except (AdapterError, ValueError, OSError) as exc:
+            raise CommandError(P.E_FAILED, str(exc)) from None
+        log.info("LoRA slot %d: %s", h["slot"], f"{h['name']} ({h['path']})" if adapter else "empty")
+        return {"bytes": adapter.nbytes if adapter else 0}
+
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
         """Never raises: malformed input or a failed command becomes an error reply."""
         try:
@@ -152,6 +166,8 @@ class AgentServer:
                 body = self._attach(peer, msg.header)
             elif msg.cmd in P.STEP_COMMANDS:
                 body, frames = self._step(peer, msg)
+            elif msg.cmd == P.LOAD_ADAPTER:
+                body = self._load_adapter(peer, msg.header)
             elif msg.cmd == P.RESET or (msg.cmd == P.DETACH and peer == self.peer):
                 self._detach()
                 body = {}

@@ -100,6 +100,7 @@ class ServingConfig:
     chat_template: str | None = None  # a Jinja chat template or a file holding one; None: the model's own
     compile_cache_dir: str = ".cache/mindspore"
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> PEFT folder
+    enable_lora: bool = False  # LoRA slots even without lora_modules (adapters loaded at run time)
     max_loras: int = 4
     max_lora_rank: int = 16
     # speculative_config (vLLM's names): None = off
@@ -110,6 +111,11 @@ class ServingConfig:
     spec_max_batch: int = 16
     source: Path | None = None
     notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the agents hold LoRA slots (max_loras of rank max_lora_rank)."""
+        return self.enable_lora or bool(self.lora_modules)
 
     def agent_host(self, index: int) -> str:
         """The address servers reach agent `index` at."""
@@ -265,7 +271,7 @@ def _check_together(c: ServingConfig) -> None:
     clash = sorted(set(c.lora_modules) & {c.model_name, *c.model_aliases})
     if clash:
         raise ConfigError(f"serving_config.lora_modules: {clash} also name the base model")
-    if c.lora_modules and (c.model_dtype == "int8" or c.tensor_parallel_size > 1):
+    if c.lora_enabled and (c.model_dtype == "int8" or c.tensor_parallel_size > 1):
         raise ConfigError("serving_config.lora_modules: adapters are served on a float model_dtype (float32, bfloat16, "
                           "float16) without tensor parallel")
     if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:

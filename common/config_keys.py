@@ -229,6 +229,9 @@ KEYS: list[Key] = [
         here="ours: PEFT LoRA adapters served beside the base, `{name: folder}` (`--lora-modules name=folder`); a "
              "request picks one by `model` (OpenAI), `adapter_id` (TGI) or `adapter` (the original's API). All are "
              "loaded at start, each into a slot of every agent"),
+    Key(S, "enable_lora", "enable_lora", as_bool,
+        here="ours (vLLM's `--enable-lora`): LoRA slots on the agents with no adapter at start; "
+             "`POST /v1/load_lora_adapter` fills them (on whenever `lora_modules` is set)"),
     Key(S, "max_loras", "max_loras", as_int, lambda v: v >= 1, ">= 1 (and >= the lora_modules)",
         here="adapter slots per agent: a static shape of every graph (each slot costs its columns in every step)"),
     Key(S, "max_lora_rank", "max_lora_rank", as_int, lambda v: 1 <= v <= 256, "in [1, 256]",

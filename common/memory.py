@@ -241,7 +241,7 @@ def plan(cfg: ServingConfig, files: ModelFiles, agents: int, device_free: int | 
     tp = getattr(cfg, "tensor_parallel_size", 1)
     shape = model_shape(files).rank(tp)  # per agent: one rank's share
     weights = weight_bytes(shape, cfg.model_dtype, tp)
-    if cfg.lora_modules:  # every slot, filled or not: the graphs' shapes
+    if cfg.lora_enabled:  # every slot, filled or not: the graphs' shapes
         weights += lora_bytes(shape, cfg.max_loras, cfg.max_lora_rank, cfg.model_dtype)
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
     available = available_bytes() if cfg.device == "CPU" else cfg.device_memory or device_free

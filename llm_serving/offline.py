@@ -52,9 +52,9 @@ class LLM:
             prompts = [prompts]
         params = copy.copy(params or SamplingParams(max_new_tokens=None))
         if lora is not None:
-            if lora not in self.cfg.lora_modules:
-                raise ValueError(f"lora {lora!r}: not one of serving_config.lora_modules {list(self.cfg.lora_modules)}")
-            params.adapter = list(self.cfg.lora_modules).index(lora) + 1
+            params.lora = self.engine.adapters.resolve(lora)
+            if params.lora is None:
+                raise ValueError(f"lora {lora!r}: not a LoRA adapter of this server {self.engine.adapters.names}")
         return asyncio.run(self._run(list(prompts), params, progress))
 
     async def _run(self, prompts: list[Prompt], params: SamplingParams, progress: bool) -> list[Completion]:

@@ -95,6 +95,8 @@ def parser() -> argparse.ArgumentParser:
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/config.md)")
     ap.add_argument("--lora-modules", nargs="+", metavar="NAME=FOLDER", help="serving_config.lora_modules: PEFT "
                     "LoRA adapters a request picks by `model` (vLLM's flag)")
+    ap.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None,
+                    help="serving_config.enable_lora: LoRA slots without adapters at start")
     ap.add_argument("--max-loras", dest="max_loras", type=int, help="serving_config.max_loras: adapter slots per agent")
     ap.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="serving_config.max_lora_rank")
     ap.add_argument("--no-web-ui", dest="web_ui", action="store_false", default=None,
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     agent_env(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
-                                               "overlap_steps", "web_ui", "device", "device_memory", "max_loras",
+                                               "overlap_steps", "web_ui", "device", "device_memory", "max_loras", "enable_lora",
                                                "max_lora_rank")
                  if getattr(args, k) is not None}
     if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)

@@ -18,6 +18,15 @@ class InvalidRequest(ValueError):
     """Bad client input: becomes an HTTP 4xx with a JSON body."""
 
 
+@dataclass(frozen=True)
+class LoraRef:
+    """A request's LoRA adapter (server/engine/adapters.py): its name, its agents' slot, and its
+    load's key (where its prefix-cache chains start)."""
+    name: str
+    slot: int
+    key: int
+
+
 @check_params
 @dataclass
 class SamplingParams:
@@ -37,7 +46,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the prompt's tokens' logprobs with top-n alternatives (None: off)
     priority: int = 0
     grammar: str | None = None  # llguidance grammar text the output must match (common/grammar.py)
-    adapter: int = 0  # LoRA: 0 the base model, i serving_config.lora_modules' i-th (from the request's model name)
+    lora: LoraRef | None = None  # its LoRA adapter (None: the base model), from the request's model name
+
+    @property
+    def adapter_slot(self) -> int:
+        """The step's `adapter` column: the agents' slot + 1 (0: the base model)."""
+        return self.lora.slot + 1 if self.lora is not None else 0
+
+    @property
+    def adapter_key(self) -> int:
+        return self.lora.key if self.lora is not None else 0
 
     def validate(self) -> "SamplingParams":
         floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,

@@ -206,7 +206,7 @@ class Scheduler:
             if not step.open or len(self.running) >= self.max_running:
                 break
             if not seq.table and not seq.scoring:
-                seq.table = self.blocks.match_prefix(seq.tokens, seq.params.adapter)
+                seq.table = self.blocks.match_prefix(seq.tokens, seq.params.adapter_key)
                 seq.computed = len(seq.table) * self.cfg.block_size
             n = step.chunk(seq)
             if n <= 0 or not self.blocks.grow(seq.table, seq.computed + n):
@@ -250,4 +250,4 @@ class Scheduler:
             seq.output.extend(res.tokens)
             if p.epoch == seq.preemptions and seq.table:
                 self.blocks.register_full(seq.table, seq.tokens, p.start + p.n_tokens - rejected, seq.block_hashes,
-                                         seq.params.adapter)
+                                         seq.params.adapter_key)

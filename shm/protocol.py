@@ -2,7 +2,8 @@
 
 Keeps the original llm-serving's first-byte protocol: ``*`` a step containing prefill tokens,
 ``a`` a pure decode step, ``#`` handshake (attach), ``e`` detach (the agent waits for the next
-server), ``r`` reset (forcibly detach whichever server is attached); ``h`` heartbeat is ours.
+server), ``r`` reset (forcibly detach whichever server is attached); ``h`` heartbeat and ``l`` (a LoRA adapter
+into a slot) are ours.
 Replies: ``1`` ok, ``2`` failed, both with a msgpack body; a failure names an error `code`.
 The full specification is docs/protocol.md.
 """
@@ -17,10 +18,11 @@ import msgpack
 # 3: `a` rows are fed by the agent's own last samples (`feed` column); arena slots, a step names its `slot`.
 # 4: steps may carry `grammars`.
 # 5: prompt logprobs: a `targets` column, ScoreOutputs, `n_scored` in a step's header.
-VERSION = 7  # 7: LoRA: an `adapter` column; 6: speculative decoding (`spec_len`, `drafted`/`accepted`, DraftOutputs)
+VERSION = 7  # 7: LoRA: an `adapter` column, `l`; 6: speculative decoding (`spec_len`, `drafted`/`accepted`, DraftOutputs)
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
-COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT})
+LOAD_ADAPTER = b"l"  # ours: a LoRA adapter into a slot, between steps
+COMMANDS = frozenset({HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT, LOAD_ADAPTER})
 STEP_COMMANDS = frozenset({FULL_STEP, DECODE_STEP})
 OK, FAILED = b"1", b"2"
 MAX_HEADER_BYTES = 1 << 20
@@ -44,6 +46,7 @@ _STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "slot": int, "free":
 _REQUIRED: dict[bytes, dict[str, type]] = {
     HANDSHAKE: {"arena": (str, type(None)), "spec": dict, "server_pid": int, "geometry": dict, "model": dict},
     FULL_STEP: _STEP_KEYS, DECODE_STEP: _STEP_KEYS, RESET: {}, DETACH: {}, HEARTBEAT: {},
+    LOAD_ADAPTER: {"slot": int, "name": str, "path": (str, type(None))},
 }
 
 

@@ -2,17 +2,21 @@
 (peft.py), each in its slot of the model (agent/model/lora.py)."""
 from __future__ import annotations
 
+from typing import Any
+
 from agent.lora.peft import AdapterError, read_adapter
-from agent.model.lora import LoraSlots
 from agent.model_config import ModelConfig
 from common.config import ServingConfig
 
 __all__ = ["AdapterError", "lora_slots"]
 
 
-def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> LoraSlots | None:
-    """serving_config.lora_modules in config order, slot i holding adapter i + 1 (None: no adapters)."""
-    if not cfg.lora_modules:
+def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:
+    """serving_config.lora_modules in config order, slot i holding adapter i + 1; the other slots
+    empty (agent.model.lora.LoraSlots; None: no LoRA slots)."""
+    from agent.model.lora import LoraSlots  # MindSpore: only once the agent is pinned (agent/main.py)
+
+    if not cfg.lora_enabled:
         return None
     adapters = [read_adapter(name, path, model_cfg, cfg.max_lora_rank) for name, path in cfg.lora_modules.items()]
     return LoraSlots(adapters, cfg.max_loras, cfg.max_lora_rank)

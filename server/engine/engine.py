@@ -12,11 +12,13 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from common.config import ServingConfig
 from common.tokenizer import TextTokenizer
 from server.detok import IncrementalDetokenizer
+from server.engine.adapters import AdapterSlots, Load
 from server.engine.lane import AgentLane, lanes_stats
 from server.engine.messages import Abort, Add, AgentBack, Message, Wake
 from server.engine.metrics import Metrics
@@ -39,7 +41,7 @@ class Engine:
                  metrics: Metrics | None = None, restart: Restart | None = None):
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = metrics or Metrics()
-        self.metrics.adapter_names = ["", *cfg.lora_modules]
+        self.adapters = AdapterSlots(cfg)
         self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
         for lane in self.lanes:
             self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info.graph_compiles))
@@ -65,6 +67,14 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(Abort(request_id))
+
+    def load_adapter(self, name: str, path: str | None) -> Future:
+        """A LoRA adapter into a free slot of every agent (`path` None: unload `name`), between steps:
+        the Future's result is a line saying so, or its exception (adapters.AdapterError) why not."""
+        done: Future = Future()
+        self.adapters.pending.append(Load(name, path, done))
+        self.inbox.put(Wake())
+        return done
 
     def stopping(self) -> None:
         """The server got its stop signal. A signal to the whole process group (Ctrl-C in a
@@ -115,8 +125,11 @@ class Engine:
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
                 for lane in self.lanes:  # with overlap: step N+1 goes shortly before step N ends
-                    while lane.can_send and lane.send_wait(now) <= 0 and self.stepper.launch(lane, now):
+                    while (not self.adapters.holds_steps and lane.can_send and lane.send_wait(now) <= 0
+                           and self.stepper.launch(lane, now)):
                         pass
+                if self.adapters.pending:  # LoRA loads between steps
+                    self.adapters.apply(self.lanes, (r.params.adapter_key for r in self.requests.live.values()))
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
                     wait = lane.send_wait(now) if lane.can_send else 0.0
@@ -135,7 +148,7 @@ class Engine:
     def _idle_wait(self, now: float) -> float:
         """How long the engine may sleep on its inbox: 0 while a live lane has work to launch or a
         command in flight; else until the next batch window closes, at most IDLE_WAIT_S."""
-        wait = IDLE_WAIT_S
+        wait = IDLE_WAIT_S if not self.adapters.pending else 0.0
         for lane in self.lanes:
             if lane.busy:
                 return 0.0
@@ -154,11 +167,23 @@ class Engine:
             elif isinstance(msg, Abort):
                 self.requests.cancel(msg.request_id)
             elif isinstance(msg, AgentBack):
+                self._replay_adapters(msg)
                 self.supervisor.agent_back(msg)
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _replay_adapters(self, msg: AgentBack) -> None:
+        """A restarted agent holds lora_modules only: the run-time loads again before it serves; one
+        it refuses now is not served wrong, the agent is killed and restarted again."""
+        if msg.client is None:
+            return
+        try:
+            self.adapters.replay(msg.client)
+        except Exception as exc:
+            log.error("agent %d: LoRA adapters not loaded again after its restart (%s); restarting it", msg.index, exc)
+            msg.client.kill()
 
     def _add(self, req: Request) -> None:
         req.detok = IncrementalDetokenizer(self.tok, req.params.stop)

@@ -128,7 +128,7 @@ class AgentLane:
         rows = [RowInput(p.seq.seq_id, np.zeros(p.n_tokens, np.int32) if p.feed else
                          np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
                          p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
-                         _targets(p), p.spec, p.seq.params.adapter)
+                         _targets(p), p.spec, p.seq.params.adapter_slot)
                 for p in plan.rows]
         slot = self.client.next_slot()
         dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)

@@ -53,8 +53,7 @@ class Metrics:
         self.spec_emitted = Histogram("llm_serving_spec_tokens_per_step", "Tokens a drafting decode row emitted "
                                       "(1 + its kept drafts)", buckets=tuple(range(1, 18)), registry=r)
         self._drafts = [0, 0]  # proposed, kept
-        # LoRA (serving_config.lora_modules): per adapter, by name ("" the base model)
-        self.adapter_names: list[str] = [""]  # by SamplingParams.adapter; the engine sets its config's
+        # LoRA adapters (serving_config.lora_modules, /v1/load_lora_adapter), by name
         self.lora_finished = Counter("llm_serving_lora_requests_finished", "Finished requests per LoRA adapter",
                                      ["adapter", "reason"], registry=r)
         self.lora_tokens = Counter("llm_serving_lora_generation_tokens", "Generated tokens per LoRA adapter",

@@ -68,8 +68,8 @@ class OutputProcessor:
         ends the request."""
         seq, p = req.seq, req.params
         self.metrics.generation_tokens.inc()
-        if p.adapter:
-            self.metrics.lora_tokens.labels(self.metrics.adapter_names[p.adapter]).inc()
+        if p.lora is not None:
+            self.metrics.lora_tokens.labels(p.lora.name).inc()
         first = req.first_token_at is None
         if first:
             req.first_token_at = now
@@ -95,8 +95,8 @@ class OutputProcessor:
         now = req.finished_at = time.monotonic()
         m = self.metrics
         m.finished.labels(reason).inc()
-        if req.params.adapter:
-            m.lora_finished.labels(m.adapter_names[req.params.adapter], reason).inc()
+        if req.params.lora is not None:
+            m.lora_finished.labels(req.params.lora.name, reason).inc()
         m.e2e.observe(now - req.arrival)
         n_out = len(req.seq.output) if req.seq else 0
         if req.first_token_at is not None and n_out > 1:

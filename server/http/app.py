@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
-from server.http import openai, ops, original, responses, tgi, web
+from server.http import lora, openai, ops, original, responses, tgi, web
 from server.http.api_keys import ApiKeys
 from server.http.body_limit import BodyLimit
 from server.http.errors import error_body
@@ -53,7 +53,7 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
 
     app.state.frontend = Frontend(engine, cfg, tok)  # what the routers' `Depends(Frontend.of)` returns
     app.state.responses = ResponseStore(cfg.responses_store_size, cfg.responses_ttl_s)
-    for module in (original, tgi, openai, responses, ops):
+    for module in (original, tgi, openai, responses, ops, lora):
         app.include_router(module.router)
     if cfg.web_ui:
         app.include_router(web.router)

@@ -18,7 +18,7 @@ from common.config import ServingConfig
 from server.engine.engine import Engine, QueueFull
 from server.request import Delta, PromptToken, Request, Sink
 from server.prompts import encode_prompt
-from server.sampling_params import InvalidRequest, SamplingParams
+from server.sampling_params import InvalidRequest, LoraRef, SamplingParams
 from common.tokenizer import TextTokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -52,17 +52,17 @@ class Frontend:
 
     @property
     def served_names(self) -> list[str]:
-        """The base model's names, then its LoRA adapters'."""
-        return [self.cfg.model_name, *self.cfg.model_aliases, *self.cfg.lora_modules]
+        """The base model's names, then its LoRA adapters' (server/engine/adapters.py)."""
+        return [self.cfg.model_name, *self.cfg.model_aliases, *self.engine.adapters.names]
 
-    def check_model(self, name: str | None) -> int:
+    def check_model(self, name: str | None) -> LoraRef | None:
         """A request's `model` (or adapter): absent, or a name this server serves (OpenAI's 404
-        otherwise). Returns its LoRA adapter (SamplingParams.adapter: 0 the base model)."""
-        if name is not None and name not in self.served_names:
+        otherwise). Returns its LoRA adapter (None: the base model)."""
+        lora = self.engine.adapters.resolve(name) if name is not None else None
+        if name is not None and lora is None and name not in self.served_names:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {self.served_names}",
                            code="model_not_found")
-        adapters = list(self.cfg.lora_modules)
-        return adapters.index(name) + 1 if name in adapters else 0
+        return lora
 
     @staticmethod
     def of(http: HttpRequest) -> "Frontend":

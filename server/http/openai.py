@@ -83,10 +83,10 @@ def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | ChatRequest) -> Response:
-    adapter = f.check_model(body.model)
+    lora = f.check_model(body.model)
     chat = isinstance(body, ChatRequest)
     params = body.to_sampling_params()
-    params.adapter = adapter
+    params.lora = lora
     prompt = await request_prompt(f, body)
     ids = await f.prepare(prompt, params)
     echo = f.prompt_text(prompt, ids) if body.echo else ""
@@ -206,5 +206,5 @@ async def models(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
     base = f.cfg.model_name  # a LoRA adapter names its base as `parent` (vLLM's field)
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llm-serving",
                                         "max_model_len": f.cfg.max_model_len,
-                                        **({"parent": base} if name in f.cfg.lora_modules else {})}
+                                        **({"parent": base} if f.engine.adapters.resolve(name) else {})}
                                        for name in f.served_names]}

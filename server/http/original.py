@@ -28,7 +28,7 @@ def _item(f: Frontend, d: Delta) -> dict[str, Any]:
 async def _generate(http: HttpRequest, f: Frontend, body: GenerateRequest, streaming: bool) -> Response:
     p = body.parameters
     params = p.to_sampling_params(top_k=ORIGINAL_TOP_K)
-    params.adapter = f.check_model(p.adapter_name())
+    params.lora = f.check_model(p.adapter_name())
     ids = await f.prepare(body.inputs, params, ORIGINAL_MAX_NEW_TOKENS)
     if not streaming:
         r = await f.collect(http, ids, params)

@@ -80,7 +80,7 @@ class Turn:
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, http: HttpRequest, f: Frontend = Depends(Frontend.of),
                  store: ResponseStore = Depends(store_of)) -> Any:
-    adapter = f.check_model(body.model)
+    lora = f.check_model(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
         kept = store.get(body.previous_response_id)
@@ -90,7 +90,7 @@ async def create(body: ResponsesRequest, http: HttpRequest, f: Frontend = Depend
         history = kept.conversation
     chat = body.chat_request(history)
     params = chat.to_sampling_params()
-    params.adapter = adapter
+    params.lora = lora
     ids = await f.prepare(await request_prompt(f, chat), params)
     turn = Turn(f, body, chat, history, len(ids))
     if body.stream:

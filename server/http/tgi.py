@@ -26,7 +26,7 @@ def _full_text(body: GenerateRequest) -> bool:
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HttpRequest, f: Frontend = Depends(Frontend.of)) -> Response:
     params = body.parameters.to_sampling_params(prompt_details=True)
-    params.adapter = f.check_model(body.parameters.adapter_name())
+    params.lora = f.check_model(body.parameters.adapter_name())
     ids = await f.prepare(body.inputs, params)
     r = await f.collect(http, ids, params)
     out: dict[str, Any] = {"generated_text": (f.prompt_text(body.inputs, ids) + r.text) if _full_text(body) else r.text}
@@ -41,7 +41,7 @@ async def generate(body: GenerateRequest, http: HttpRequest, f: Frontend = Depen
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, http: HttpRequest, f: Frontend = Depends(Frontend.of)) -> Response:
     params = body.parameters.to_sampling_params()
-    params.adapter = f.check_model(body.parameters.adapter_name())
+    params.lora = f.check_model(body.parameters.adapter_name())
     ids = await f.prepare(body.inputs, params)
 
     async def events() -> AsyncIterator[str]:

@@ -6,6 +6,8 @@ shared across adapters); the names are listed with their parent; a name not serv
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import httpx
@@ -76,3 +78,42 @@ def test_tgi_and_original_name_adapters_and_models_lists_them(server):
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'llm_serving_lora_requests_finished_total{adapter="ft-b",reason="length"}' in metrics
     assert 'llm_serving_lora_generation_tokens_total{adapter="ft-b"}' in metrics
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def test_adapters_loaded_and_unloaded_at_run_time_and_after_an_agent_restart(server):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a folder loaded into the free slot
+    serves what the same folder loaded at start serves, and again after its agent is SIGKILLed and
+    restarted (the server loads it again); an unloaded name is a 404 while a request already running
+    on it finishes on its weights; a full table, a name served, a folder that is not an adapter are
+    400s naming why."""
+    url, folder_b = server.url, server.config["serving_config"]["lora_modules"]["ft-b"]
+    want_b, want_a = _openai(url, "ft-b"), _openai(url, "ft-a")
+    r = _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-b2", "lora_path": folder_b})
+    assert r.status_code == 200 and "ft-b2" in r.text
+    assert _openai(url, "ft-b2") == want_b
+    assert "ft-b2" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    for body, says in (({"lora_name": "ft-c", "lora_path": folder_b}, "max_loras"),
+                       ({"lora_name": "ft-a", "lora_path": folder_b}, "already served")):
+        r = _post(url, "/v1/load_lora_adapter", body)
+        assert r.status_code == 400 and says in r.text, r.text
+    [pid] = server.agent_pids()
+    os.kill(pid, signal.SIGKILL)
+    server.stats_until(lambda s: s["agents_alive"] == 1 and server.agent_pids() not in ([], [pid]), timeout_s=180)
+    assert _openai(url, "ft-b2") == want_b  # loaded again into the restarted agent's slot
+
+    out: dict[str, str] = {}
+    running = threading.Thread(target=lambda: out.setdefault("a", _openai(url, "ft-a")))
+    with server.agents_paused():
+        running.start()
+        server.stats_until(lambda s: s["running"] + s["waiting"] == 1)
+        assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "ft-a"}).status_code == 200
+    running.join(120)
+    assert out["a"] == want_a  # admitted before the unload: it ran on ft-a to its end
+    assert httpx.post(f"{url}/v1/completions", json={"model": "ft-a", "prompt": "hi"}, timeout=30).status_code == 404
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "ft-a"}).status_code == 404
+    r = _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-x", "lora_path": str(server.config_path)})
+    assert r.status_code == 400 and "adapter_config.json" in r.text  # not a PEFT folder

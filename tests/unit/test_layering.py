@@ -130,3 +130,12 @@ def test_a_sampling_knob_the_contract_encodes_must_exist_at_import():
             frequency_penalty: float = 0.0
             seed: int | None = None
             logprobs: int = 0
+
+
+def test_an_agent_process_loads_mindspore_only_once_it_is_pinned():
+    """agent/main.py pins the process, caps the ISA and fixes its entry script before MindSpore
+    loads (`agent.boot`): importing it, and the protocol server it serves with, loads none (an
+    import of the LoRA room once did, and agents spawned by `python -c` failed to build graphs)."""
+    code = "import sys, agent.main, agent.server; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
