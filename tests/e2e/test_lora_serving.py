@@ -117,3 +117,20 @@ def test_adapters_loaded_and_unloaded_at_run_time_and_after_an_agent_restart(ser
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "ft-a"}).status_code == 404
     r = _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-x", "lora_path": str(server.config_path)})
     assert r.status_code == 400 and "adapter_config.json" in r.text  # not a PEFT folder
+    folder_a = server.config["serving_config"]["lora_modules"]["ft-a"]
+    assert _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-a", "lora_path": folder_a}).status_code == 200
+    assert _openai(url, "ft-a") == want_a  # its freed slot taken again
+
+
+def test_the_offline_api_picks_adapters_by_name(server, tmp_path, tiny_model_dir):
+    """`LLM.generate(..., lora=name)` runs the adapter the server serves under that name (the same
+    folders, greedy: the same text); an unknown name is a ValueError naming the ones there are."""
+    from llm_serving import LLM, SamplingParams
+
+    adapters = server.config["serving_config"]["lora_modules"]
+    with LLM(str(tiny_config(tmp_path, tiny_model_dir, lora_modules=adapters, max_loras=3))) as llm:
+        params = SamplingParams(max_new_tokens=12)
+        got = {n: llm.generate(PROMPT, params, progress=False, lora=n)[0].text for n in adapters}
+        with pytest.raises(ValueError, match="ft-a"):
+            llm.generate(PROMPT, params, progress=False, lora="nope")
+    assert got == {n: _openai(server.url, n) for n in adapters}
