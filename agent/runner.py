@@ -116,12 +116,15 @@ class ModelRunner:
         logits, lse = self._run(tokens, positions, slots, token_rows, tables, logit_rows, adapters=adapters)
         return logits[:where.size], lse[:where.size]
 
-    def step(self, v: StepView, free: list[int], grammars: list[list[Any]] | None = None) -> float:
+    def step(self, v: StepView, free: list[int], grammars: list[list[Any]] | None = None,
+             histories: list[list[Any]] | None = None) -> float:
         """Run one step described by arena views `v` and write its outputs: its inputs (fed tokens
         filled in), the forward, then the sampled rows. Returns model seconds. `grammars`: the
-        constrained sequences it (re)admits (agent/grammar.py)."""
+        constrained sequences it (re)admits (agent/grammar.py); `histories`: the tokens before rows
+        admitted past position 0 (SequenceState.start_histories)."""
         self.seqs.free(free)
         self.seqs.start_grammars(grammars or [])
+        self.seqs.start_histories(histories or [])
         x = v.inputs
         if x.query_lens.shape[0] == 0:  # nothing to compute (a `free`-only step, or an IPC probe)
             return 0.0

@@ -90,6 +90,17 @@ class SequenceState:
                 self.histories[seq] = TokenLog()
             self.histories[seq].extend(tokens[s:s + q])
 
+    def start_histories(self, histories: list[list[Any]]) -> None:
+        """[seq, tokens] of the sequences a step admits past position 0 (a prefix-cache hit, a KV
+        hand-over) whose sampling reads their tokens: those before the row, never fed here."""
+        for seq, tokens in histories:
+            log = self.histories[seq] = TokenLog()
+            log.extend(tokens)
+
+    def forget_last(self, seq: int) -> None:
+        """Its KV came from another agent: no last sample here (its next row carries its token)."""
+        self.last.pop(seq, None)
+
     def accept(self, seq: int, drafts: np.ndarray) -> None:
         """Drafts verified and kept: fed tokens now (their K/V stay in the cache)."""
         if seq in self.histories:

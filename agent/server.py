@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from agent.kv_handover import Handovers
 from agent.lora.peft import AdapterError, read_adapter
 from agent.runner_config import graph_for
 from common.procs import pid_alive, rss_bytes
@@ -67,6 +68,7 @@ class AgentServer:
         self.last_msg = time.monotonic()  # from the attached server
         self.exiting = False
         self.failed = False  # exited after a RuntimeFailure
+        self.handovers = Handovers(runner)  # KV blocks in and out through the server's hand-over segment
 
     # ------------------------------------------------------------ attachment
     def _attached_to_live_server(self) -> bool:
@@ -88,6 +90,7 @@ class AgentServer:
                 self.segment.path.unlink(missing_ok=True)
             self.segment = None
         self.peer = self.server_pid = None
+        self.handovers.close()
         self.runner.reset()
 
     def _attach(self, peer: bytes, h: dict[str, Any]) -> dict[str, Any]:
@@ -128,10 +131,13 @@ class AgentServer:
             if msg.cmd == P.DECODE_STEP:
                 check_decode(v)
             graph_tokens, _ = graph_for(v.inputs, self.runner.rc)
-        except ValueError as exc:
+            self.handovers.check(h)
+        except (ValueError, OSError) as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
-            model_s = self.runner.step(v, h["free"], h.get("grammars", []))
+            self.handovers.imports(h)
+            model_s = self.runner.step(v, h["free"], h.get("grammars", []), h.get("histories", []))
+            self.handovers.exports(h)
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else arena.output_frames(dims)

@@ -15,7 +15,7 @@ import yaml
 
 from common.config_keys import KEYS, SECTIONS, SPEC_METHODS, notices
 from common.cpu import isa_cap
-from common.config_values import WHAT
+from common.config_values import ROLES, WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
 # At most this many inputs per int8 scale (agent.model.quant.group_for): 576-input rows (SmolLM2's hidden
@@ -58,6 +58,7 @@ class ServingConfig:
     tensor_parallel_size: int = 1  # ours: consecutive agent_ports form groups of this many ranks of one model
     agent_ip: str = "127.0.0.1"
     agent_hosts: list[str] = field(default_factory=list)  # ours: one host per agent (else agent_ip for all)
+    agent_roles: list[str] = field(default_factory=list)  # ours: per agent both | prefill | decode (empty: all both)
     agent_bind: str | None = None  # ours: where agents listen (launch_agents --bind), else their host
     start_device_id: int = 0
     device: str = "CPU"  # ours: CPU, Ascend or GPU; agent i runs on device start_device_id + i
@@ -116,6 +117,15 @@ class ServingConfig:
     def lora_enabled(self) -> bool:
         """Whether the agents hold LoRA slots (max_loras of rank max_lora_rank)."""
         return self.enable_lora or bool(self.lora_modules)
+
+    def role(self, index: int) -> str:
+        """What agent `index` runs: prompts and decodes (`both`), or only one of them."""
+        return self.agent_roles[index] if self.agent_roles else "both"
+
+    @property
+    def disaggregated(self) -> bool:
+        """Some agent only prefills or only decodes: finished prompts' KV moves between agents."""
+        return any(r != "both" for r in self.agent_roles)
 
     def agent_host(self, index: int) -> str:
         """The address servers reach agent `index` at."""
@@ -274,11 +284,37 @@ def _check_together(c: ServingConfig) -> None:
     if c.lora_enabled and (c.model_dtype == "int8" or c.tensor_parallel_size > 1):
         raise ConfigError("serving_config.lora_modules: adapters are served on a float model_dtype (float32, bfloat16, "
                           "float16) without tensor parallel")
+    _check_roles(c)
     if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:
         raise ConfigError(f"pa_config: {c.num_blocks - 1} usable blocks x block_size {c.block_size} hold "
                           f"{(c.num_blocks - 1) * c.block_size} tokens, less than one sequence of "
                           f"decode_seq_length {c.max_model_len} (block 0 is reserved); need num_blocks >= "
                           f"{-(-c.max_model_len // c.block_size) + 1}")
+
+
+def _check_roles(c: ServingConfig) -> None:
+    """A role set that can serve: one per port, someone takes prompts, someone decodes; disaggregated
+    agents are local (the hand-over is a shared-memory segment) and not tensor-parallel."""
+    if not c.agent_roles:
+        return
+    roles = c.agent_roles
+    if not set(roles) <= set(ROLES):
+        raise ConfigError(f"serving_config.agent_roles = {roles}: each one of {', '.join(ROLES)}")
+    if len(roles) != len(c.agent_ports):
+        raise ConfigError(f"serving_config.agent_roles = {roles}: one role per agent_ports entry ({len(c.agent_ports)})")
+    if not c.disaggregated:
+        return
+    if "decode" not in roles and "both" not in roles:
+        raise ConfigError(f"serving_config.agent_roles = {roles}: no agent decodes (give one `decode` or `both`)")
+    if "prefill" not in roles and "both" not in roles:
+        raise ConfigError(f"serving_config.agent_roles = {roles}: no agent takes prompts (give one `prefill` or `both`)")
+    if c.tensor_parallel_size > 1:
+        raise ConfigError(f"serving_config.agent_roles = {roles} with tensor_parallel_size {c.tensor_parallel_size}: "
+                          "disaggregated agents are single ranks")
+    remote = sorted({c.agent_host(i) for i in range(len(roles))} - {"127.0.0.1", "localhost"})
+    if remote:
+        raise ConfigError(f"serving_config.agent_roles = {roles} with agents on {remote}: the KV hand-over is a "
+                          "shared-memory segment, for agents on the server's host (agent_ip 127.0.0.1)")
 
 
 def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, as_adapters, as_blocks, as_bool, as_cores,
-                                  as_float, as_group, as_hosts, as_names, as_int, as_most, as_ports, as_sizes, lower, model_dtype,
+from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, ROLES, as_adapters, as_blocks, as_bool, as_cores,
+                                  as_float, as_group, as_hosts, as_names, as_int, as_most, as_ports, as_roles, as_sizes, lower, model_dtype,
                                   parse_bytes, port_ok)
 
 
@@ -121,6 +121,10 @@ KEYS: list[Key] = [
              "deployment): 4 ports at size 2 are 2 replicas of 2 ranks. Each rank holds its share of the heads, FFN "
              "columns, vocabulary and KV pool; every command goes to every rank; rank 0 replies. A rank that dies "
              "restarts its group"),
+    Key(S, "agent_roles", "agent_roles", as_roles, allowed=f"one of {', '.join(ROLES)} per agent_ports entry",
+        here="ours: prefill/decode disaggregation (`--agent-roles prefill,decode`): a `prefill` agent runs prompts "
+             "only and hands each finished prompt's KV to a `decode` agent over shared memory; `both` (the default) "
+             "does either. Local agents, no tensor parallel; at least one agent takes prompts and one decodes"),
     Key(S, "agent_ip", "agent_ip", str, original="where agents listen", here="same: `127.0.0.1` = ipc + shared memory, else tcp"),
     Key(S, "start_device_id", "start_device_id", as_int, lambda v: v >= 0, ">= 0", "device of agent 0",
         "same: agent i calls `mindspore.set_device(device, start_device_id + i)` and reports the target and id "

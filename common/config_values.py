@@ -93,6 +93,17 @@ def as_names(v: Any) -> list[str]:
     return list(v)
 
 
+ROLES = ("both", "prefill", "decode")
+
+
+def as_roles(v: Any) -> list[str]:
+    """serving_config.agent_roles: a list, or `prefill,decode` as the CLI gives it."""
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(r, str) for r in items):
+        raise ValueError(v)
+    return [r.strip().lower() for r in items]
+
+
 def as_adapters(v: Any) -> dict[str, str]:
     """serving_config.lora_modules: {name: folder}, or vLLM's `name=path` strings."""
     if isinstance(v, (str, list)):

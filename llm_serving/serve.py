@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
-from common.config_values import as_adapters
+from common.config_values import as_adapters, as_roles
 from common.config_values import parse_bytes
 from common.memory import plan as memory_plan
 from common.model_files import resolve_model
@@ -99,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
                     help="serving_config.enable_lora: LoRA slots without adapters at start")
     ap.add_argument("--max-loras", dest="max_loras", type=int, help="serving_config.max_loras: adapter slots per agent")
     ap.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="serving_config.max_lora_rank")
+    ap.add_argument("--agent-roles", metavar="ROLE,...", help="serving_config.agent_roles: per agent port both, "
+                    "prefill or decode (prefill/decode disaggregation), e.g. prefill,decode")
     ap.add_argument("--no-web-ui", dest="web_ui", action="store_false", default=None,
                     help="serving_config.web_ui: false (no chat page at /)")
     ap.add_argument("--host", dest="server_ip")
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides.update(speculative_overrides(args.speculative_config))
         if args.lora_modules:
             overrides["lora_modules"] = as_adapters(args.lora_modules)
+        if args.agent_roles:
+            overrides["agent_roles"] = as_roles(args.agent_roles)
         cfg = configure(args, overrides)
     except (ConfigError, ValueError) as exc:
         return start_failed(f"config: {exc}", args.verbose)

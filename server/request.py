@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from server.detok import IncrementalDetokenizer
 from server.sampling_params import SamplingParams
-from server.scheduler import Sequence
+from server.sequence import Sequence
 
 
 class Status(enum.Enum):

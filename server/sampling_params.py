@@ -54,6 +54,11 @@ class SamplingParams:
         return self.lora.slot + 1 if self.lora is not None else 0
 
     @property
+    def penalized(self) -> bool:
+        """Its sampling reads the sequence's tokens so far (agent.sampling.needs_penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def adapter_key(self) -> int:
         return self.lora.key if self.lora is not None else 0
 

@@ -16,64 +16,12 @@ takes a step's reply and appends its tokens, `remove` ends one.
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from server.block_manager import BlockManager
 from common.config import ServingConfig
-from server.sampling_params import SamplingParams
-from server.speculation import SpecPolicy, SpecState
+from server.kv_handover import HandoverSlots
+from server.sequence import Sequence
+from server.speculation import SpecPolicy
 from server.step_plan import RowResult, StepBuilder, StepPlan, commit, end_at_bucket
-from shm.step import RowOutput
-
-if TYPE_CHECKING:  # server.request imports this module
-    from server.request import Request
-
-_ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Sequence:
-    prompt: list[int]
-    params: SamplingParams
-    arrival: float
-    request: "Request | None" = None  # the engine's request record
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    output: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens whose K/V are in the cache
-    table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks, grown as computed
-    preemptions: int = 0
-    pending: int = 0  # sampled in steps in flight, not yet back
-    agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
-    scores: dict[int, RowOutput] = field(default_factory=dict)  # prompt logprobs: position -> its token's score
-    spec: SpecState | None = None  # its drafting state (server/speculation.py), from its first decode
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def scoring(self) -> bool:
-        """Its prompt's logprobs are asked and not all back yet: its rows score, and it is computed in
-        full (no prefix-cache hit: a cached block has no logits)."""
-        return self.params.prompt_logprobs is not None and len(self.scores) < len(self.prompt) - 1
-
-    def targets(self, start: int, n: int) -> list[int]:
-        """The next prompt token of each token of a row from position `start` while scoring (the
-        prompt's last token has none: what follows it is sampled)."""
-        return self.prompt[start + 1:min(start + n, len(self.prompt) - 1) + 1] if self.scoring else []
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt) + len(self.output) + self.pending - self.computed
-
-    def at_limit(self, max_model_len: int) -> bool:
-        """Its tokens in flight already end it by length (max_new_tokens or the context): no more rows."""
-        n_out = len(self.output) + self.pending
-        return self.pending > 0 and (n_out >= self.params.max_new_tokens
-                                     or len(self.prompt) + n_out >= max_model_len)
 
 
 def _order_key(seq: Sequence, policy: str) -> tuple:
@@ -86,9 +34,13 @@ def _order_key(seq: Sequence, policy: str) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, cfg: ServingConfig, pads_cost: bool = True, speculate: bool = False):
-        """`speculate`: decodes ask the agent for drafts (its proposer is speculative_config's)."""
-        self.cfg = cfg
+    def __init__(self, cfg: ServingConfig, pads_cost: bool = True, speculate: bool = False, role: str = "both",
+                 handover: HandoverSlots | None = None):
+        """`speculate`: decodes ask the agent for drafts (its proposer is speculative_config's). `role`
+        (serving_config.agent_roles): a `prefill` agent's finished prompts leave with their KV through
+        `handover`'s slots (`exporting` until the step's reply), to a `decode` agent that takes them
+        in (`incoming`) and never runs a prompt."""
+        self.cfg, self.role, self.handover = cfg, role, handover
         self.spec = SpecPolicy(cfg) if speculate else None
         # Whether the agent computes a step's padding (AgentInfo.pads_cost): where it skips it, cutting
         # a prompt to a bucket only splits it, and its tail waits for the next, often larger, step.
@@ -101,10 +53,17 @@ class Scheduler:
         self.max_running = cfg.max_running
         self.preempted = 0  # total preemptions, for metrics
         self.freed: list[int] = []  # ended since the last plan that was sent
+        self.exporting: list[Sequence] = []  # prefill role: prompts done, their KV on its way out
+        self.incoming: list[Sequence] = []  # decode role: handed to this agent, their KV in the hand-over slots
+
+    @property
+    def active(self) -> int:
+        """Sequences admitted here: running, and those whose KV is on its way out or in."""
+        return len(self.running) + len(self.exporting) + len(self.incoming)
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + self.active
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,13 +74,20 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.incoming:
+            self.incoming.remove(seq)
+            self.handover.give(seq.handover)
+        elif seq in self.exporting:  # its slots are given back at its step's reply (the agent writes them)
+            self.exporting.remove(seq)
         self.blocks.release(seq.table)
         self.freed.append(seq.seq_id)
 
     def drain(self) -> list[Sequence]:
         """Take every sequence out (their agent died); their KV state is lost."""
-        seqs = self.running + self.waiting
-        self.running, self.waiting = [], []
+        seqs = self.running + self.waiting + self.exporting + self.incoming
+        for s in self.exporting + self.incoming:  # the agent is gone: nobody reads or writes their slots
+            self.handover.give(s.handover)
+        self.running, self.waiting, self.exporting, self.incoming = [], [], [], []
         for s in seqs:  # tokens in flight are lost with the agent
             s.table, s.computed, s.pending, s.agent_has_next = [], 0, 0, False
         return seqs
@@ -169,14 +135,19 @@ class Scheduler:
         decoding = any(seq.remaining == 1 for seq in self.running)
         step = StepBuilder(self.cfg, self.cfg.token_budget if decoding else self.cfg.prefill_budget)
         self._plan_decodes(step)
-        self._plan_started(step)
-        self._plan_admissions(step)
+        if self.role == "decode":
+            self._plan_imports(step)
+        else:
+            self._plan_started(step)
+            self._plan_admissions(step)
         drafting = (self.spec is not None and any(p.feed and p.sample for p in step.rows)
                     and self.spec.allows(len(self.running)))
         if drafting:
             self._plan_drafts(step)
         if self.pads_cost:
             end_at_bucket(step.rows, self.cfg.token_buckets)
+        if self.role == "prefill":
+            self._plan_exports(step)
         commit(step.rows)
         plan = StepPlan(step.rows, self.freed if step.rows else [], self.preempted - preempted, len(self.running),
                         drafting)
@@ -216,6 +187,47 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             step.add_chunk(seq, n, admitted=True)
+
+    def _plan_imports(self, step: StepBuilder) -> None:
+        """Decode role: sequences handed over, in order, while blocks and running room last (an import
+        never preempts): its blocks come in with the step, and its first decode rides in it."""
+        for seq in list(self.incoming):
+            if step.tokens <= 0 or len(self.running) >= self.max_running or not self.blocks.grow(seq.table, seq.computed + 1):
+                break
+            self.incoming.remove(seq)
+            self.running.append(seq)
+            step.add_decode(seq)
+            step.rows[-1].admitted = step.rows[-1].imported = True
+
+    def _plan_exports(self, step: StepBuilder) -> None:
+        """Prefill role: a row that ends its prompt (it samples the first token) exports the prompt's
+        blocks into hand-over slots after the step; with too few slots free it stops one token short
+        (no sample) and ends in a later step."""
+        for p in [p for p in step.rows if p.sample and not p.feed]:
+            slots = self.handover.take(self.blocks.blocks_needed([], p.seq.computed + p.n_tokens))
+            if slots is not None:
+                p.seq.handover, p.export = slots, True
+                self.running.remove(p.seq)
+                self.exporting.append(p.seq)
+            elif p.n_tokens > 1:
+                p.n_tokens, p.sample = p.n_tokens - 1, False
+            else:
+                step.drop(p.seq)
+
+    def handed(self, seq: Sequence) -> None:
+        """Prefill role: `seq`'s KV is in its hand-over slots; its blocks here are released (still
+        cached for prefix reuse) and the agent forgets it."""
+        self.exporting.remove(seq)
+        self.blocks.release(seq.table)
+        self.freed.append(seq.seq_id)
+
+    def evicted(self) -> list[Sequence]:
+        """Decode role: preempted sequences (none with a token in flight), to be computed again where
+        prompts run; the agent forgets them."""
+        out = [seq for seq in self.waiting if not seq.pending]
+        self.waiting = [seq for seq in self.waiting if seq.pending]
+        self.freed += [seq.seq_id for seq in out]
+        return out
 
     def _plan_drafts(self, step: StepBuilder) -> None:
         """Drafts on the step's fed decodes, oldest first, within the step's token budget, the

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from common.config import ServingConfig
 
 if TYPE_CHECKING:  # server.scheduler imports this module
-    from server.scheduler import Sequence
+    from server.sequence import Sequence
 
 # A step pads to its token bucket, and padding costs as much as tokens, while a step's fixed cost is
 # worth a few dozen tokens (docs/perf-notes.md). So a step just past a bucket gives its last chunk's
@@ -28,6 +28,8 @@ class Planned:
     admitted: bool = False  # its first row since it was (re)admitted: the agent gets its grammar again
     targets: list[int] = field(default_factory=list)  # the prompt tokens its first tokens are scored against
     spec: int = 0  # draft tokens the agent proposes after its fed one (n_tokens is 1 + spec)
+    export: bool = False  # it ends its prompt on a prefill agent: its KV leaves through its hand-over slots
+    imported: bool = False  # its KV comes in from its hand-over slots before the step (a decode agent)
 
 
 @dataclass

@@ -18,7 +18,8 @@ import msgpack
 # 3: `a` rows are fed by the agent's own last samples (`feed` column); arena slots, a step names its `slot`.
 # 4: steps may carry `grammars`.
 # 5: prompt logprobs: a `targets` column, ScoreOutputs, `n_scored` in a step's header.
-VERSION = 7  # 7: LoRA: an `adapter` column, `l`; 6: speculative decoding (`spec_len`, `drafted`/`accepted`, DraftOutputs)
+# 6: speculative decoding (`spec_len`, `drafted`/`accepted`, DraftOutputs). 7: LoRA: an `adapter` column, `l`.
+VERSION = 8  # 8: KV hand-over: a step's `import` and `export` entries through the `handover` segment
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
 LOAD_ADAPTER = b"l"  # ours: a LoRA adapter into a slot, between steps
@@ -108,6 +109,7 @@ def _check_header(cmd: bytes, header: dict[str, Any]) -> None:
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in header["free"]):
             raise ProtocolError("free must list integer sequence ids")
         _check_grammars(header.get("grammars", []))
+        _check_handover(header)
     if cmd == HANDSHAKE:
         for key, names, typ in (("geometry", GEOMETRY_KEYS, int), ("model", MODEL_KEYS, str)):
             for name in names:
@@ -123,6 +125,24 @@ def _check_grammars(grammars: Any) -> None:
             and isinstance(g[2], list) and all(isinstance(t, int) and not isinstance(t, bool) for t in g[2])
             for g in grammars):
         raise ProtocolError("grammars must list [sequence id, grammar, [output ids]]")
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _check_handover(header: dict[str, Any]) -> None:
+    """A step's KV hand-over: `export` [seq id, [blocks], [slots]] copied out of the cache after it
+    runs, `import` (the same) into it before; the slots are of the shared-memory segment `handover`.
+    And `histories` [seq id, [tokens]]: the tokens before a row admitted past position 0."""
+    for key, width in (("export", 3), ("import", 3), ("histories", 2)):
+        entries = header.get(key, [])
+        if not isinstance(entries, list) or not all(
+                isinstance(e, list) and len(e) == width and isinstance(e[0], int) and all(map(_ints, e[1:]))
+                for e in entries):
+            raise ProtocolError(f"{key} must list [sequence id, " + ("[tokens]]" if width == 2 else "[blocks], [slots]]"))
+    if (header.get("export") or header.get("import")) and not isinstance(header.get("handover"), str):
+        raise ProtocolError("a step with hand-over entries names its `handover` segment")
 
 
 def encode_reply(ok: bool, body: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> list[bytes]:

@@ -189,16 +189,18 @@ class AgentClient:
         return self.info
 
     def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None,
-                  grammars: list[list[Any]] | None = None) -> None:
+                  grammars: list[list[Any]] | None = None, extra: dict[str, Any] | None = None) -> None:
         """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step` returns
         this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is fed (`a`).
         One step per slot may be in flight; `tag` (not None) is kept with it until its reply (`steps()`);
-        `grammars`: the constrained sequences this step (re)admits (shm/protocol.py)."""
+        `grammars`: the constrained sequences this step (re)admits; `extra`: more header fields (its KV
+        hand-over entries: shm/protocol.py)."""
         frames = None if self.local else self.arenas[slot].input_frames(dims)
         header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free,
                   "n_scored": dims.n_scored, "n_drafts": dims.n_drafts}
         if grammars:
             header["grammars"] = grammars
+        header.update(extra or {})
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP, header, frames, dims, slot, tag)
 
     def poll_step(self, timeout_s: float) -> StepReply | None:

@@ -19,6 +19,7 @@ from common.config import ServingConfig
 from common.tokenizer import TextTokenizer
 from server.detok import IncrementalDetokenizer
 from server.engine.adapters import AdapterSlots, Load
+from server.engine.handover import Handover
 from server.engine.lane import AgentLane, lanes_stats
 from server.engine.messages import Abort, Add, AgentBack, Message, Wake
 from server.engine.metrics import Metrics
@@ -27,7 +28,7 @@ from server.engine.requests import QueueFull, Requests
 from server.engine.stepper import Stepper
 from server.engine.supervisor import Restart, Supervisor
 from server.request import Request
-from server.scheduler import Sequence
+from server.sequence import Sequence
 from shm.messages import AgentInfo
 from shm.link import AgentLink
 
@@ -42,7 +43,8 @@ class Engine:
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = metrics or Metrics()
         self.adapters = AdapterSlots(cfg)
-        self.lanes = [AgentLane(i, c, cfg) for i, c in enumerate(clients)]
+        self.handover = Handover(cfg, clients, self.metrics) if cfg.disaggregated else None
+        self.lanes = [AgentLane(i, c, cfg, self.handover.slots if self.handover else None) for i, c in enumerate(clients)]
         for lane in self.lanes:
             self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info.graph_compiles))
         eos = set(tokenizer.eos_token_ids).union(cfg.end_token, *(c.info.eos_token_ids for c in clients))
@@ -54,7 +56,7 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.fatal: str | None = None
         self.supervisor = Supervisor(cfg, self.lanes, self.requests, restart, self.inbox, self._stop, self.metrics)
-        self.stepper = Stepper(cfg, self.requests, self.out, self.metrics, self.supervisor)
+        self.stepper = Stepper(cfg, self.requests, self.out, self.metrics, self.supervisor, self.handover)
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -90,6 +92,8 @@ class Engine:
             lane.client.close(detach=True)
         if self.out.request_log is not None:
             self.out.request_log.close()
+        if self.handover is not None:
+            self.handover.close()
 
     def health(self) -> tuple[str, str]:
         """("ok" | "degraded" | "recovering" | "unhealthy", reason); degraded still serves (an agent

@@ -19,7 +19,9 @@ from common.config import ServingConfig
 from common.memory import gib
 from common.procs import Backoff, pid_alive
 from server.engine.pacing import StepPacer
-from server.scheduler import Scheduler, Sequence
+from server.kv_handover import HandoverSlots
+from server.scheduler import Scheduler
+from server.sequence import Sequence
 from server.speculation import SpecPolicy
 from server.step_plan import Planned, StepPlan
 from shm.protocol import E_NOT_ATTACHED
@@ -68,9 +70,10 @@ def speculates(client: AgentLink, cfg: ServingConfig) -> bool:
 
 
 class AgentLane:
-    def __init__(self, index: int, client: AgentLink, cfg: ServingConfig):
-        self.index, self.client, self.cfg = index, client, cfg
-        self.sched = Scheduler(cfg, pads_cost(client), speculates(client, cfg))
+    def __init__(self, index: int, client: AgentLink, cfg: ServingConfig, handover: HandoverSlots | None = None):
+        """`handover`: the hand-over segment's slots, where serving_config.agent_roles disaggregates."""
+        self.index, self.client, self.cfg, self.handover = index, client, cfg, handover
+        self.sched = self._scheduler()
         if cfg.spec_method and not self.sched.spec:
             log.warning("agent %d drafts with %r, not speculative_config.method %r: its decodes take no drafts "
                         "(start it from the same config)", index, client.info.speculative, cfg.spec_method)
@@ -87,6 +90,11 @@ class AgentLane:
         self.reattach = False  # down because another client took the agent (`r`): attach again, never restart
         self.rss_bytes = client.info.rss_bytes  # the agent's resident memory, as its last reply said
         self.over_plan_warned = False
+
+    def _scheduler(self) -> Scheduler:
+        """A fresh scheduler: an empty KV pool, this agent's role."""
+        return Scheduler(self.cfg, pads_cost(self.client), speculates(self.client, self.cfg), self.cfg.role(self.index),
+                         self.handover)
 
     @property
     def inflight(self) -> list[InFlight]:
@@ -122,9 +130,10 @@ class AgentLane:
     def in_flight(self, seq: Sequence) -> bool:
         return any(p.seq is seq for step in self.inflight for p in step.plan.rows)
 
-    def send_plan(self, plan: StepPlan, planned_at: float) -> None:
+    def send_plan(self, plan: StepPlan, planned_at: float, extra: dict[str, Any] | None = None) -> None:
         """Write the step into a free arena slot and send it (raises AgentDead). Fed rows carry a
-        placeholder token: the agent takes its own last sample (their real token may not be back yet)."""
+        placeholder token: the agent takes its own last sample (their real token may not be back yet).
+        `extra`: header fields (its KV hand-over entries)."""
         rows = [RowInput(p.seq.seq_id, np.zeros(p.n_tokens, np.int32) if p.feed else
                          np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
                          p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
@@ -135,8 +144,14 @@ class AgentLane:
         step = InFlight(plan, slot, 0.0, 0.0)
         grammars = [[p.seq.seq_id, p.seq.params.grammar, list(p.seq.output)] for p in plan.rows
                     if p.admitted and p.seq.params.grammar]
+        # A row admitted past position 0 (a prefix-cache hit, a hand-over) whose sampling reads the
+        # tokens before it: the agent never saw them.
+        histories = [[p.seq.seq_id, p.seq.tokens[:p.start]] for p in plan.rows
+                     if p.admitted and p.start > 0 and (self.sched.spec is not None or p.seq.params.penalized)]
+        if histories:
+            extra = {**(extra or {}), "histories": histories}
         self.client.send_step(dims, free=plan.freed, has_prefill=plan.has_prefill, slot=slot, tag=step,
-                              grammars=grammars)
+                              grammars=grammars, extra=extra)
         self.sent_at = step.sent_at = time.monotonic()
         step.prepare_s = self.sent_at - planned_at
 
@@ -181,8 +196,12 @@ class AgentLane:
         """The agent is gone or stuck (`kill`: kill what is left of it), or serves another server
         now (attach again later, never restart); start an empty KV pool. Returns every sequence
         the lane held (to recompute), those of its steps in flight included."""
+        if self.handover is not None:  # the agent is gone: the hand-overs its steps in flight carried go nowhere
+            for step in self.inflight:
+                for p in step.plan.rows:
+                    self.handover.give(p.seq.handover)
         seqs = self.sched.drain()
-        self.sched = Scheduler(self.cfg, pads_cost(self.client), speculates(self.client, self.cfg))
+        self.sched = self._scheduler()
         if kill:
             self.client.kill()
         self.client.close(detach=False)
@@ -237,7 +256,7 @@ class AgentLane:
 def lanes_stats(lanes: list[AgentLane]) -> dict[str, Any]:
     """What the lanes hold: running and waiting sequences, live agents, each KV pool's use, each
     agent's device and memory."""
-    return {"running": sum(len(lane.sched.running) for lane in lanes),
+    return {"running": sum(lane.sched.active for lane in lanes),
             "waiting": sum(len(lane.sched.waiting) for lane in lanes),
             "agents_alive": sum(lane.live for lane in lanes),
             "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in lanes],

@@ -59,6 +59,14 @@ class Metrics:
         self.lora_tokens = Counter("llm_serving_lora_generation_tokens", "Generated tokens per LoRA adapter",
                                    ["adapter"], registry=r)
 
+        # Prefill/decode disaggregation (serving_config.agent_roles): prompts' KV moved between agents
+        self.kv_handovers = Counter("llm_serving_kv_handovers", "Sequences whose KV moved to another agent",
+                                    registry=r)
+        self.kv_handover_bytes = Counter("llm_serving_kv_handover_bytes", "KV bytes moved between agents", registry=r)
+        self.kv_handover_time = Histogram("llm_serving_kv_handover_seconds", "A hand-over: from the reply that "
+                                          "exported the KV to the reply of the step that imported it", buckets=_LAT,
+                                          registry=r)
+
     def drafts_verified(self, drafted: int, kept: int) -> None:
         """A drafting decode row's reply: `drafted` proposed, `kept` of them accepted."""
         self.spec_drafted.inc(drafted)
@@ -70,7 +78,7 @@ class Metrics:
 
     def observe_lanes(self, lanes: list[Any]) -> None:
         """The gauges, from the agent lanes (server.engine.lane.AgentLane) as they are now."""
-        self.running.set(sum(len(lane.sched.running) for lane in lanes))
+        self.running.set(sum(lane.sched.active for lane in lanes))
         self.waiting.set(sum(len(lane.sched.waiting) for lane in lanes))
         self.agents_alive.set(sum(lane.live for lane in lanes))
         for lane in lanes:

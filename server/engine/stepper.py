@@ -7,6 +7,7 @@ import logging
 import time
 
 from common.config import ServingConfig
+from server.engine.handover import Handover
 from server.engine.lane import AgentLane, InFlight
 from server.engine.metrics import Metrics
 from server.engine.output import OutputProcessor
@@ -25,8 +26,10 @@ log = logging.getLogger("llm_serving.engine")
 
 class Stepper:
     def __init__(self, cfg: ServingConfig, requests: Requests, out: OutputProcessor, metrics: Metrics,
-                 supervisor: Supervisor):
+                 supervisor: Supervisor, handover: Handover | None = None):
+        """`handover`: KV moves between prefill and decode agents (serving_config.agent_roles)."""
         self.cfg, self.requests, self.out, self.metrics, self.supervisor = cfg, requests, out, metrics, supervisor
+        self.handover = handover
         self.trace = StepTrace()  # recent steps, both sides (/debug/trace)
         self.step_count = 0
         self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
@@ -46,7 +49,7 @@ class Stepper:
             self.metrics.prefill_tokens.inc(plan.prefill_tokens)
             for p in plan.rows:
                 self.requests.scheduled(p.seq.request, now)
-            lane.send_plan(plan, planned_at)
+            lane.send_plan(plan, planned_at, self.handover.entries(plan) if self.handover else None)
             for p in plan.rows:
                 if p.seq.request.inference_begin_at is None:
                     p.seq.request.inference_begin_at = lane.sent_at
@@ -154,6 +157,9 @@ class Stepper:
                                       for i, (p, out) in enumerate(zip(rows, emitted))])
         for p, out in zip(rows, emitted):
             self._deliver(p, out, now)
+        if self.handover is not None:
+            for req in self.handover.replied(lane, step.plan, self.supervisor.lanes, now, self.requests):
+                self.supervisor.recompute(req)
         if lane.sched.spec is not None and not step.plan.has_prefill:  # wall time, the server's share included
             lane.sched.spec.observe_step(step.plan.running, step.plan.drafting, sum(map(len, emitted)),
                                          now - max(previous, step.sent_at - step.prepare_s))

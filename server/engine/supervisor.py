@@ -41,9 +41,17 @@ class Supervisor:
 
     # ------------------------------------------------------------ routing
     def open_lanes(self) -> list[AgentLane]:
-        """Lanes that take requests: live ones, else those whose agent is coming back."""
-        live = [lane for lane in self.lanes if lane.live]
-        return live or [lane for lane in self.lanes if lane.state is LaneState.RECOVERING]
+        """Lanes that take prompts (any role but `decode`): live ones, else those whose agent is coming back."""
+        lanes = [lane for lane in self.lanes if lane.sched.role != "decode"]
+        return [lane for lane in lanes if lane.live] or [lane for lane in lanes if lane.state is LaneState.RECOVERING]
+
+    def recompute(self, req: Request) -> None:
+        """A request whose KV a decode agent gave up (preempted): computed again where prompts run."""
+        lanes = self.open_lanes()
+        if lanes:
+            self.assign(req, lanes)
+        else:
+            self.requests.end(req, "error", "no agent that takes prompts is live", 503)
 
     def assign(self, req: Request, lanes: list[AgentLane]) -> None:
         target = min(lanes, key=lambda lane: lane.sched.load)
@@ -99,7 +107,7 @@ class Supervisor:
             self._restart(lane)
             return
         lane.fail()
-        for seq in list(lane.sched.waiting):
+        for seq in lane.sched.waiting + lane.sched.incoming:
             self.requests.end(seq.request, "error", f"agent {lane.index} could not be restarted: {msg.error}", 503)
 
     def expire_overdue(self, now: float) -> None:
@@ -107,7 +115,7 @@ class Supervisor:
         for lane in self.lanes:
             if lane.state is LaneState.RECOVERING:
                 why = f"agent {lane.index} still recovering after {self.cfg.recovery_deadline_s:.0f}s ({lane.why})"
-                for seq in [s for s in lane.sched.waiting
+                for seq in [s for s in lane.sched.waiting + lane.sched.incoming
                             if now - max(s.arrival, lane.down_since) > self.cfg.recovery_deadline_s]:
                     self.requests.end(seq.request, "error", why, 503)
 

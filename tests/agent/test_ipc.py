@@ -15,7 +15,7 @@ from common.config import load_config
 from llm_serving.boot import connect_agents
 from server.sampling_params import SamplingParams
 from shm import protocol as P
-from shm.arena import Arena, ArenaSpec, clean_stale_segments, our_segments
+from shm.arena import Arena, ArenaSpec, Segment, clean_stale_segments, our_segments, segment_name
 from shm.endpoint import agent_address
 from shm.step import RowInput, StepDims
 from shm.transport import AgentDead, AgentError
@@ -47,6 +47,10 @@ STEP = {"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "n_scored": 0, "n_drafts
     ([b"a" + msgpack.packb({k: v for k, v in STEP.items() if k != "slot"})], "slot"),
     ([b"a" + msgpack.packb({**STEP, "free": [True]})], "free"),
     ([b"*" + msgpack.packb({k: v for k, v in STEP.items() if k != "n_scored"})], "n_scored"),
+    ([b"*" + msgpack.packb({**STEP, "export": [[1, [2], [0]]]})], "handover"),
+    ([b"*" + msgpack.packb({**STEP, "handover": "h", "import": [[1, [2]]]})], "import must list"),
+    ([b"*" + msgpack.packb({**STEP, "handover": "h", "export": [[1, [2], ["0"]]]})], "export must list"),
+    ([b"*" + msgpack.packb({**STEP, "histories": [[1, 2]]})], "histories must list"),
     ([b"a\xc1\xff"], "msgpack"), ([b"#" + msgpack.packb([1, 2])], "not a map"),
     ([b"#" + msgpack.packb({k: v for k, v in HELLO.items() if k != "geometry"})], "geometry"),
     ([b"#" + msgpack.packb({**HELLO, "geometry": {**HELLO["geometry"], "block_size": "4"}})], "geometry.block_size"),
@@ -296,3 +300,23 @@ def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, row
     except AgentError as exc:
         assert exc.code in (P.E_BAD_STEP, P.E_PROTOCOL), exc
     assert _decode_step(client, cfg) is not None
+
+
+def test_a_hand_over_outside_the_pool_or_segment_is_refused_before_the_step_runs(attached):
+    cfg, client = attached
+    seg = Segment(segment_name("test-handover"), 4 * 4096, create=True)  # a few slots of the tiny model's blocks
+    try:
+        rows = [RowInput(1, np.asarray([5, 6, 7], np.int32), 0, [1], True, SamplingParams(), 3, 0)]
+        h = seg.name
+        for extra in ({"handover": h, "export": [[1, [cfg.num_blocks], [0]]]},  # past the pool
+                      {"handover": h, "import": [[1, [0], [0]]]},  # block 0 is the padding's
+                      {"handover": h, "export": [[1, [1], [10**6]]]},  # past the segment
+                      {"handover": h, "import": [[1, [1, 2], [0]]]},  # one slot for two blocks
+                      {"handover": "llmserving-no-such-segment", "export": [[1, [1], [0]]]}):
+            client.send_step(client.arenas[0].write_step(rows, cfg.block_size), free=[], has_prefill=True, extra=extra)
+            with pytest.raises(AgentError) as exc:
+                client.poll_step(30)
+            assert exc.value.code == P.E_BAD_STEP, exc.value
+        assert _decode_step(client, cfg) is not None
+    finally:
+        seg.close()

@@ -288,6 +288,21 @@ def test_prefix_cache_computes_only_the_new_tokens(server, tiny_weights):
     assert [t["id"] for t in r["details"]["tokens"]] == want[len(ids):]
 
 
+def test_penalties_see_the_prompt_a_prefix_cache_hit_skipped(server):
+    """Repetition and frequency penalties read every prompt token: a second request whose prompt the
+    cache holds (the agent computes 1 token of 43) samples as the first did."""
+    ids = [7, 8, 9, 10] * 10 + [3, 2, 1]
+    params = {"max_new_tokens": 16, "ignore_eos": True, "repetition_penalty": 2.0, "frequency_penalty": 1.0,
+              "details": True}
+    first, again = (httpx.post(f"{server.url}/generate", json={"inputs": ids, "parameters": params}, timeout=60).json()
+                    for _ in range(2))
+    before = _counter(server.url, "llm_serving_prefill_tokens_computed_total")
+    third = httpx.post(f"{server.url}/generate", json={"inputs": ids, "parameters": params}, timeout=60).json()
+    assert _counter(server.url, "llm_serving_prefill_tokens_computed_total") - before < len(ids)  # a hit
+    ids_of = lambda r: [t["id"] for t in r["details"]["tokens"]]  # noqa: E731 (logprobs differ in float rounding)
+    assert ids_of(first) == ids_of(again) == ids_of(third)
+
+
 LIFECYCLE = ("llm_serving_request_waiting_seconds", "llm_serving_request_scheduling_to_inference_seconds",
              "llm_serving_request_inference_seconds", "llm_serving_time_to_first_token_seconds",
              "llm_serving_e2e_request_latency_seconds")

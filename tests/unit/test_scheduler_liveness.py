@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from common.config import ServingConfig
 from tests.helpers import results
 from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler, Sequence
+from server.scheduler import Scheduler
+from server.sequence import Sequence
 from server.step_plan import RowResult
 
 

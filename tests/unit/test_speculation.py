@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from common.config import ServingConfig
 from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler, Sequence
+from server.scheduler import Scheduler
+from server.sequence import Sequence
 from server.speculation import MAX_SKIP, SpecPolicy, SpecState
 from server.step_plan import RowResult
 

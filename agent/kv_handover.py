@@ -1,0 +1,129 @@
+"""KV hand-over between agents (prefill/decode disaggregation, drains): a sequence's KV blocks copied
+out of this agent's cache into hand-over slots, or from hand-over slots into its cache.
+
+A hand-over slot holds one block in one layout whatever the model's own: [k|v, layer, token, kv head,
+head row] in the cache's storage dtype (an int8 row carries its scale, common.memory.kv_head_bytes),
+so a prefill agent on the stack op and a decode agent on another path still agree. The slots are a
+shared-memory segment the server names (local agents) or a step's frames (tcp agents)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from shm.arena import Segment
+
+# A test hook: each export takes this much longer (a slow transfer; tests/e2e/test_disaggregation.py).
+EXPORT_DELAY_S = float(os.environ.get("LLM_SERVING_HANDOVER_DELAY_S", 0))
+
+
+class KvPages:
+    """Block-granular access to a built model's KV caches (agent.model.decoder.DecoderModel)."""
+
+    def __init__(self, model: Any, block_size: int):
+        self.bs = block_size
+        self.stacked = model.one_op_stack  # [L, slots, kv, row]; else per layer [slots, kv, row] or plain [kv, slots, row]
+        self.head_major = type(model.attn).__name__ == "PlainAttention"
+        if self.stacked:
+            self.k, self.v = [model.k_cache.asnumpy()], [model.v_cache.asnumpy()]
+        else:
+            self.k, self.v = ([c.asnumpy() for c in caches] for caches in (model.k_cache, model.v_cache))
+        for views, caches in ((self.k, model.k_cache), (self.v, model.v_cache)):
+            first = caches if self.stacked else caches[0]
+            if not np.shares_memory(views[0], first.asnumpy()):  # a MindSpore that copies here
+                raise RuntimeError("the KV cache's asnumpy() is a copy: blocks cannot be handed over")
+        self.layers = model.k_cache.shape[0] if self.stacked else len(self.k)
+        kv, row = (self.k[0].shape[-2:] if not self.head_major else (self.k[0].shape[0], self.k[0].shape[2]))
+        self.slot_shape = (2, self.layers, block_size, kv, row)
+        self.dtype = self.k[0].dtype
+        self.slot_bytes = int(np.prod(self.slot_shape)) * self.dtype.itemsize
+
+    def slots(self, buf: Any, n: int) -> np.ndarray:
+        """`buf` (a segment's memory, or a frame) as hand-over slots [n, 2, L, bs, kv, row]."""
+        return np.frombuffer(buf, self.dtype, n * self.slot_bytes // self.dtype.itemsize).reshape(n, *self.slot_shape)
+
+    def _layer_block(self, cache: list[np.ndarray], layer: int, block: int) -> np.ndarray:
+        """One layer's block as [token, kv, row] (a view; transposed for the head-major plain cache)."""
+        at = slice(block * self.bs, (block + 1) * self.bs)
+        if self.stacked:
+            return cache[0][layer, at]
+        if self.head_major:
+            return cache[layer][:, at].transpose(1, 0, 2)
+        return cache[layer][at]
+
+    def export(self, blocks: list[int], out: np.ndarray, at: list[int]) -> None:
+        """Blocks `blocks` of every layer into hand-over slots `at` of `out` (`slots`)."""
+        for j, block in zip(at, blocks, strict=True):
+            if self.stacked:
+                at = slice(block * self.bs, (block + 1) * self.bs)
+                out[j, 0], out[j, 1] = self.k[0][:, at], self.v[0][:, at]
+                continue
+            for layer in range(self.layers):
+                out[j, 0, layer] = self._layer_block(self.k, layer, block)
+                out[j, 1, layer] = self._layer_block(self.v, layer, block)
+
+    def load(self, blocks: list[int], src: np.ndarray, at: list[int]) -> None:
+        """Hand-over slots `at` of `src` (`slots`) into blocks `blocks` of every layer."""
+        for j, block in zip(at, blocks, strict=True):
+            if self.stacked:
+                at = slice(block * self.bs, (block + 1) * self.bs)
+                self.k[0][:, at], self.v[0][:, at] = src[j, 0], src[j, 1]
+                continue
+            for layer in range(self.layers):
+                self._layer_block(self.k, layer, block)[...] = src[j, 0, layer]
+                self._layer_block(self.v, layer, block)[...] = src[j, 1, layer]
+
+
+class Handovers:
+    """A step's hand-over entries (shm/protocol.py): `import` [seq, blocks, slots] copied into the
+    cache before the step runs, `export` [seq, blocks, slots] copied out after it, through the
+    server's hand-over segment `handover`."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.pages: KvPages | None = None
+        self.segment: Segment | None = None
+        self.view: np.ndarray | None = None  # the segment as slots
+
+    def _slots(self, name: Any) -> np.ndarray:
+        if not isinstance(name, str):
+            raise ValueError("a step with hand-over entries names its hand-over segment (`handover`)")
+        if self.pages is None:
+            self.pages = KvPages(self.runner.model, self.runner.rc.block_size)
+        if self.segment is None or self.segment.name != name:
+            self.close()
+            self.segment = Segment(name)
+            self.view = self.pages.slots(self.segment.buf, self.segment.size // self.pages.slot_bytes)
+        return self.view
+
+    def check(self, h: dict[str, Any]) -> None:
+        """Every block inside the pool (never block 0) and every slot inside the segment (ValueError)."""
+        entries = h.get("import", []) + h.get("export", [])
+        if not entries:
+            return
+        n = self._slots(h.get("handover")).shape[0]
+        for entry in entries:
+            blocks, at = entry[1], entry[2]
+            if len(blocks) != len(at) or not all(0 < b < self.runner.rc.num_blocks for b in blocks) or not all(
+                    0 <= s < n for s in at):
+                raise ValueError(f"hand-over of sequence {entry[0]}: blocks {blocks} or slots {at} out of range "
+                                 f"({self.runner.rc.num_blocks} blocks, {n} slots)")
+
+    def imports(self, h: dict[str, Any]) -> None:
+        for seq, blocks, at in h.get("import", []):
+            self.pages.load(blocks, self.view, at)
+            self.runner.seqs.forget_last(seq)
+
+    def exports(self, h: dict[str, Any]) -> None:
+        for seq, blocks, at in h.get("export", []):
+            self.pages.export(blocks, self.view, at)
+            if EXPORT_DELAY_S:
+                time.sleep(EXPORT_DELAY_S)
+
+    def close(self) -> None:
+        self.view = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None

@@ -1,0 +1,91 @@
+"""Prefill/decode disaggregation on the engine thread (serving_config.agent_roles): the shared-memory
+segment that carries KV between agents, each step's hand-over entries, and what a reply moves.
+
+A prompt that ends on a `prefill` agent samples its first token there; the same step exports the
+prompt's blocks into hand-over slots (docs/protocol.md). At that step's reply the sequence joins a
+`decode` agent's `incoming` (the one with the least load, then the most free blocks), whose next
+step imports the blocks and decodes the first token in one command. A decode agent preempts by
+handing the sequence back to a prefill agent, to be computed again from its tokens."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from common.config import ServingConfig
+from server.engine.lane import AgentLane, LaneState
+from server.engine.metrics import Metrics
+from server.engine.requests import Requests
+from server.kv_handover import HandoverSlots
+from server.request import Status
+from server.step_plan import StepPlan
+from shm.arena import Segment, segment_name
+from shm.link import AgentLink
+
+log = logging.getLogger("llm_serving.engine")
+SEGMENT_BYTES = 256 << 20  # the hand-over segment's size at least (tmpfs: pages exist once written)
+
+
+class HandoverError(RuntimeError):
+    """Agents whose KV blocks cannot move between them (a config that mixes dtypes or layouts)."""
+
+
+class Handover:
+    def __init__(self, cfg: ServingConfig, clients: list[AgentLink], metrics: Metrics):
+        sizes = {c.info.kv_cache_bytes // c.info.geometry["num_blocks"] for c in clients}
+        if len(sizes) != 1:
+            raise HandoverError(f"serving_config.agent_roles: the agents' KV blocks differ in bytes ({sorted(sizes)}): "
+                                "start every agent from the same YAML (model, dtypes, block_size)")
+        self.slot_bytes = sizes.pop()
+        n = max(4 * -(-cfg.max_model_len // cfg.block_size), SEGMENT_BYTES // self.slot_bytes)
+        self.segment = Segment(segment_name("handover"), n * self.slot_bytes, create=True)
+        self.slots = HandoverSlots(n)
+        self.metrics = metrics
+
+    def close(self) -> None:
+        self.segment.close()
+
+    def entries(self, plan: StepPlan) -> dict[str, Any]:
+        """A step's hand-over header fields (shm/protocol.py), none when it moves nothing."""
+        out: dict[str, Any] = {}
+        for p in plan.rows:
+            seq = p.seq
+            if p.export:
+                out.setdefault("export", []).append([seq.seq_id, seq.table[:len(seq.handover)], list(seq.handover)])
+            elif p.imported:
+                out.setdefault("import", []).append([seq.seq_id, seq.table[:len(seq.handover)], list(seq.handover)])
+        if out:
+            out["handover"] = self.segment.name
+        return out
+
+    def replied(self, lane: AgentLane, plan: StepPlan, lanes: list[AgentLane], now: float,
+                requests: Requests) -> list[Any]:
+        """A step's reply (after its tokens were delivered): imported slots are free again, exported
+        sequences move to a decode agent. Returns the requests to compute again on a prefill agent
+        (a decode agent preempted them)."""
+        for p in plan.rows:
+            seq = p.seq
+            if p.imported:
+                self.slots.give(seq.handover)  # the agent copied them in before the step
+                self.metrics.kv_handover_time.observe(now - seq.moved_at)
+            elif p.export:
+                if seq in lane.sched.exporting and seq.request.status is not Status.DONE:
+                    self._hand(lane, seq, lanes, now, requests)
+                else:  # it ended meanwhile: the agent has written its slots, nobody reads them
+                    self.slots.give(seq.handover)
+        return [seq.request for seq in lane.sched.evicted()] if lane.sched.role == "decode" else []
+
+    def _hand(self, lane: AgentLane, seq: Any, lanes: list[AgentLane], now: float, requests: Requests) -> None:
+        lane.sched.handed(seq)
+        decoders = [d for d in lanes if d.sched.role != "prefill" and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
+        if not decoders:
+            self.slots.give(seq.handover)
+            log.error("request %s: its prompt's KV is out and no decode agent is live", seq.request.request_id)
+            requests.end(seq.request, "error", "no decode agent is live or coming back", 503)
+            return
+        target = min(decoders, key=lambda d: (d.state is not LaneState.LIVE, d.sched.load, -d.sched.blocks.num_free))
+        seq.agent_has_next = False  # its first token goes in the import's row
+        target.sched.incoming.append(seq)
+        seq.request.lane = target.index
+        seq.moved_at = now
+        self.metrics.kv_handovers.inc()
+        self.metrics.kv_handover_bytes.inc(len(seq.handover) * self.slot_bytes)

@@ -1,0 +1,97 @@
+"""Prefill/decode disaggregation through real processes (serving_config.agent_roles): a prefill agent
+runs the prompts, hands each one's KV over shared memory to a decode agent, and every text equals
+what one agent serving both gives, with a slow hand-over, and with either agent killed mid-run."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from shm.endpoint import holder
+from tests.e2e.test_supervision import _metric, _wait_generating
+from tests.helpers import ServerProcess, tiny_config
+
+SIZES = dict(decode_seq_length=256, max_generate_length=256, num_blocks=200)
+NEW = 24
+# Prompts of 1 to 6 steps' tokens (the step budget is 32): some end in one step, others in chunks.
+PROMPTS = [f"request {i}: " + "abcdefghij" * (i * 3) for i in range(6)]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+EXTRAS = {"penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.5},  # the decode agent needs the prompt
+          "grammar": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                      "ignore_eos": False},
+          "logprobs": {"logprobs": 2}}
+
+
+def _complete(url: str, prompt: str, **extra) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, **extra}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text}"
+    choice = r.json()["choices"][0]
+    top = choice["logprobs"]["top_logprobs"] if choice.get("logprobs") else []  # steps differ in float rounding
+    return choice["text"] + repr([{t: round(v, 3) for t, v in alt.items()} for alt in top])
+
+
+def _all_at_once(url: str) -> dict[str, str]:
+    """Every prompt plain, and the first with each extra, all in flight together."""
+    jobs = {p: (p, {}) for p in PROMPTS} | {k: (PROMPTS[3], v) for k, v in EXTRAS.items()}
+    out: dict[str, str] = {}
+    threads = [threading.Thread(target=lambda k=k, p=p, e=e: out.__setitem__(k, _complete(url, p, **e)))
+               for k, (p, e) in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(out) == len(jobs) and not any(v.startswith("HTTP") for v in out.values()), out
+    return out
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
+    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("one"), tiny_model_dir, **SIZES))
+    try:
+        return _all_at_once(srv.url)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny_model_dir):
+    """A prefill agent and a decode agent; every export made slow (a hand-over that takes a while)."""
+    cfg = tiny_config(tmp_path_factory.mktemp("pd"), tiny_model_dir, 2, agent_roles=["prefill", "decode"], **SIZES)
+    srv = ServerProcess(cfg, env={"LLM_SERVING_HANDOVER_DELAY_S": "0.02"})
+    yield srv
+    srv.stop()
+
+
+def test_disaggregated_texts_equal_one_agent_serving_both(pd, undisturbed):
+    before = _metric(pd.url, "llm_serving_kv_handovers_total")
+    assert _all_at_once(pd.url) == undisturbed
+    assert _metric(pd.url, "llm_serving_kv_handovers_total") - before == len(undisturbed)
+    assert _metric(pd.url, "llm_serving_kv_handover_bytes_total") > 0
+    stats = pd.stats_until(lambda s: s["running"] == 0 and s["waiting"] == 0)
+    assert stats["kv_usage"][1] == 0.0  # the decode agent's blocks all freed (the prefill agent's stay cached)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_killed_agent_of_either_role_loses_no_request(pd, undisturbed, role):
+    port = pd.config["serving_config"]["agent_ports"][["prefill", "decode"].index(role)]
+    pid = holder(port)
+    restarts = _metric(pd.url, "llm_serving_agent_restarts_total")
+    before = _metric(pd.url, "llm_serving_generation_tokens_total")
+    out: dict[str, str] = {}
+    runner = threading.Thread(target=lambda: out.update(_all_at_once(pd.url)))
+    runner.start()
+    _wait_generating(pd.url, before)  # decodes under way, later prompts still coming
+    os.kill(pid, signal.SIGKILL)
+    runner.join(300)
+    assert out == undisturbed  # recomputed from the tokens so far: the same greedy text
+    deadline = time.monotonic() + 120
+    while holder(port) in (None, pid) or httpx.get(f"{pd.url}/health", timeout=5).json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the killed agent did not come back"
+        time.sleep(0.1)
+    assert _metric(pd.url, "llm_serving_agent_restarts_total") == restarts + 1
