@@ -53,13 +53,21 @@ class Scheduler:
         self.max_running = cfg.max_running
         self.preempted = 0  # total preemptions, for metrics
         self.freed: list[int] = []  # ended since the last plan that was sent
-        self.exporting: list[Sequence] = []  # prefill role: prompts done, their KV on its way out
-        self.incoming: list[Sequence] = []  # decode role: handed to this agent, their KV in the hand-over slots
+        self.exporting: list[Sequence] = []  # their KV on its way out (a prefill agent's prompts, a drain)
+        self.incoming: list[Sequence] = []  # handed to this agent, their KV in the hand-over slots
+        self.draining = False  # every sequence leaves with its KV; nothing new comes (POST /admin/agents/{port}/drain)
+        self.discarded = 0  # KV tokens thrown away by preemption, to be computed again
+        self.moved = 0  # sequences that left with their KV
 
     @property
     def active(self) -> int:
         """Sequences admitted here: running, and those whose KV is on its way out or in."""
         return len(self.running) + len(self.exporting) + len(self.incoming)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV its sequences hold here (planned steps included)."""
+        return sum(seq.computed for seq in self.running + self.exporting + self.incoming)
 
     @property
     def load(self) -> int:
@@ -95,6 +103,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.table)
+        self.discarded += seq.computed
         seq.computed = 0
         seq.preemptions += 1
         self.preempted += 1
@@ -129,15 +138,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step: decodes first, then chunks of started prompts, then new prompts."""
-        preempted = self.preempted
+        if self.draining:
+            return self._plan_drain()
+        preempted, discarded = self.preempted, self.discarded
         # Prefill runs faster per token in larger steps on AVX-512 (docs/perf-notes.md), but a larger
         # step delays every decode riding in it: the larger budget only while nothing decodes.
         decoding = any(seq.remaining == 1 for seq in self.running)
         step = StepBuilder(self.cfg, self.cfg.token_budget if decoding else self.cfg.prefill_budget)
         self._plan_decodes(step)
-        if self.role == "decode":
-            self._plan_imports(step)
-        else:
+        self._plan_imports(step)
+        if self.role != "decode":
             self._plan_started(step)
             self._plan_admissions(step)
         drafting = (self.spec is not None and any(p.feed and p.sample for p in step.rows)
@@ -150,7 +160,7 @@ class Scheduler:
             self._plan_exports(step)
         commit(step.rows)
         plan = StepPlan(step.rows, self.freed if step.rows else [], self.preempted - preempted, len(self.running),
-                        drafting)
+                        drafting, discarded=self.discarded - discarded)
         if step.rows:
             self.freed = []
         return plan
@@ -189,15 +199,35 @@ class Scheduler:
             step.add_chunk(seq, n, admitted=True)
 
     def _plan_imports(self, step: StepBuilder) -> None:
-        """Decode role: sequences handed over, in order, while blocks and running room last (an import
-        never preempts): its blocks come in with the step, and its first decode rides in it."""
+        """Sequences handed over, in order, while blocks and running room last (an import never
+        preempts): their blocks come in with the step, and their next row rides in it (a decode, or
+        a prompt's next chunk; on a prefill agent one that does not end the prompt: that one exports)."""
         for seq in list(self.incoming):
-            if step.tokens <= 0 or len(self.running) >= self.max_running or not self.blocks.grow(seq.table, seq.computed + 1):
+            decode = seq.remaining == 1
+            n = 1 if decode else min(step.chunk(seq), seq.remaining - (self.role == "prefill")) if step.open else 0
+            if n <= 0 or len(self.running) >= self.max_running or not self.blocks.grow(seq.table, seq.computed + n):
                 break
             self.incoming.remove(seq)
             self.running.append(seq)
-            step.add_decode(seq)
+            step.add_decode(seq) if decode else step.add_chunk(seq, n)
             step.rows[-1].admitted = step.rows[-1].imported = True
+
+    def _plan_drain(self) -> StepPlan:
+        """Draining: no rows; every running sequence with nothing in flight leaves with its KV, as
+        many as the hand-over slots hold (the step only exports)."""
+        moves = []
+        for seq in [s for s in self.running if not s.pending]:
+            slots = self.handover.take(self.blocks.blocks_needed([], seq.computed))
+            if slots is None:
+                break
+            seq.handover = slots
+            self.running.remove(seq)
+            self.exporting.append(seq)
+            moves.append(seq)
+        plan = StepPlan([], self.freed if moves else [], moves=moves)
+        if moves:
+            self.freed = []
+        return plan
 
     def _plan_exports(self, step: StepBuilder) -> None:
         """Prefill role: a row that ends its prompt (it samples the first token) exports the prompt's
@@ -215,15 +245,18 @@ class Scheduler:
                 step.drop(p.seq)
 
     def handed(self, seq: Sequence) -> None:
-        """Prefill role: `seq`'s KV is in its hand-over slots; its blocks here are released (still
-        cached for prefix reuse) and the agent forgets it."""
+        """`seq`'s KV is in its hand-over slots (a prefill agent's prompt, a drain); its blocks here are
+        released (still cached for prefix reuse) and the agent forgets it."""
         self.exporting.remove(seq)
+        self.moved += 1
         self.blocks.release(seq.table)
         self.freed.append(seq.seq_id)
 
     def evicted(self) -> list[Sequence]:
-        """Decode role: preempted sequences (none with a token in flight), to be computed again where
-        prompts run; the agent forgets them."""
+        """A decode agent's preempted sequences, a draining agent's waiting ones (none with a token in
+        flight): to be computed again where prompts run; the agent forgets them."""
+        if self.role != "decode" and not self.draining:
+            return []
         out = [seq for seq in self.waiting if not seq.pending]
         self.waiting = [seq for seq in self.waiting if seq.pending]
         self.freed += [seq.seq_id for seq in out]

@@ -51,9 +51,11 @@ class StepPlan:
     preempted: int = 0
     running: int = 0  # sequences running when it was planned (speculation's batch-size class)
     drafting: bool = False  # planned in speculation's drafting mode (server/speculation.py)
+    moves: list[Sequence] = field(default_factory=list)  # leave with their KV after it (a drain): exports without rows
+    discarded: int = 0  # KV tokens planning it threw away (preemption)
 
     def __bool__(self) -> bool:
-        return bool(self.rows)
+        return bool(self.rows or self.moves)
 
     @property
     def has_prefill(self) -> bool:

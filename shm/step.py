@@ -212,8 +212,11 @@ class StepDims:
 
 
 def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
-    """Encode rows into a full-capacity view (whole-array writes per field, not per row)."""
+    """Encode rows into a full-capacity view (whole-array writes per field, not per row). No rows: a
+    step that only frees or exports (a drain) writes nothing."""
     n = len(rows)
+    if not n:
+        return
     qlens = np.fromiter((len(r.tokens) for r in rows), np.int32, n)
     n_tokens, width = int(qlens.sum()), max(len(r.block_table) for r in rows)
     tables = np.zeros((n, width), np.int32)
@@ -245,7 +248,7 @@ def write_rows(view: StepView, rows: list[RowInput], block_size: int) -> None:
 
 
 def step_dims(rows: list[RowInput]) -> StepDims:
-    return StepDims(sum(len(r.tokens) for r in rows), len(rows), max(len(r.block_table) for r in rows),
+    return StepDims(sum(len(r.tokens) for r in rows), len(rows), max((len(r.block_table) for r in rows), default=0),
                     sum(int(np.count_nonzero(r.targets >= 0)) for r in rows if r.targets is not None),
                     sum(r.spec for r in rows))
 

@@ -21,7 +21,8 @@ from server.detok import IncrementalDetokenizer
 from server.engine.adapters import AdapterSlots, Load
 from server.engine.handover import Handover
 from server.engine.lane import AgentLane, lanes_stats
-from server.engine.messages import Abort, Add, AgentBack, Message, Wake
+from server.engine.drain import Drains
+from server.engine.messages import Abort, Add, AgentBack, Drain, Message, Wake
 from server.engine.metrics import Metrics
 from server.engine.output import OutputProcessor
 from server.engine.requests import QueueFull, Requests
@@ -43,7 +44,8 @@ class Engine:
         self.cfg, self.tok = cfg, tokenizer
         self.metrics = metrics or Metrics()
         self.adapters = AdapterSlots(cfg)
-        self.handover = Handover(cfg, clients, self.metrics) if cfg.disaggregated else None
+        why_not = _why_kv_cannot_move(cfg, clients)
+        self.handover = Handover(cfg, clients, self.metrics) if why_not is None else None
         self.lanes = [AgentLane(i, c, cfg, self.handover.slots if self.handover else None) for i, c in enumerate(clients)]
         for lane in self.lanes:
             self.metrics.graph_compiles.inc(lane.new_compiles(lane.client.info.graph_compiles))
@@ -57,6 +59,7 @@ class Engine:
         self.fatal: str | None = None
         self.supervisor = Supervisor(cfg, self.lanes, self.requests, restart, self.inbox, self._stop, self.metrics)
         self.stepper = Stepper(cfg, self.requests, self.out, self.metrics, self.supervisor, self.handover)
+        self.drains = Drains(cfg, self.lanes, self.supervisor, why_not)
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -76,6 +79,14 @@ class Engine:
         done: Future = Future()
         self.adapters.pending.append(Load(name, path, done))
         self.inbox.put(Wake())
+        return done
+
+    def drain(self, port: int, resume: bool = False) -> Future:
+        """Move every sequence of the agent on `port` to the others with its KV and schedule nothing
+        more there (`resume`: schedule there again). The Future's result says what moved, or its
+        exception (drain.DrainError) why not."""
+        done: Future = Future()
+        self.inbox.put(Drain(port, resume, done))
         return done
 
     def stopping(self) -> None:
@@ -140,6 +151,7 @@ class Engine:
                     limit = 0.005 if len(busy) > 1 else 0.05
                     self.stepper.poll(lane, min(limit, wait) if wait > 0 else limit)
                 self.supervisor.expire_overdue(time.monotonic())
+                self.drains.check()
                 self.out.flush()
                 self.metrics.observe_lanes(self.lanes)
         except Exception as exc:  # a bug: fail everything rather than leave requests hanging
@@ -170,6 +182,8 @@ class Engine:
                 self._add(msg.request)
             elif isinstance(msg, Abort):
                 self.requests.cancel(msg.request_id)
+            elif isinstance(msg, Drain):
+                self.drains.start(msg)
             elif isinstance(msg, AgentBack):
                 self._replay_adapters(msg)
                 self.supervisor.agent_back(msg)
@@ -202,3 +216,14 @@ class Engine:
             return
         self.metrics.prompt_tokens.inc(len(req.prompt))
         self.supervisor.assign(req, lanes)
+
+
+def _why_kv_cannot_move(cfg: ServingConfig, clients: list[AgentLink]) -> str | None:
+    """None where sequences can move between these agents with their KV (a hand-over segment), else why not."""
+    if len(clients) < 2:
+        return "one agent: there is no other to move its sequences to"
+    if cfg.tensor_parallel_size > 1:
+        return "tensor-parallel agents: a sequence's KV is split over a group's ranks"
+    if not all(c.local for c in clients):
+        return "agents on other hosts: the KV hand-over is a shared-memory segment on the server's host"
+    return None

@@ -47,6 +47,8 @@ class Handover:
     def entries(self, plan: StepPlan) -> dict[str, Any]:
         """A step's hand-over header fields (shm/protocol.py), none when it moves nothing."""
         out: dict[str, Any] = {}
+        for seq in plan.moves:
+            out.setdefault("export", []).append([seq.seq_id, seq.table[:len(seq.handover)], list(seq.handover)])
         for p in plan.rows:
             seq = p.seq
             if p.export:
@@ -60,29 +62,33 @@ class Handover:
     def replied(self, lane: AgentLane, plan: StepPlan, lanes: list[AgentLane], now: float,
                 requests: Requests) -> list[Any]:
         """A step's reply (after its tokens were delivered): imported slots are free again, exported
-        sequences move to a decode agent. Returns the requests to compute again on a prefill agent
-        (a decode agent preempted them)."""
+        sequences move to another agent. Returns the requests to compute again where prompts run (a
+        decode agent preempted them, a draining agent had not started them)."""
         for p in plan.rows:
             seq = p.seq
             if p.imported:
                 self.slots.give(seq.handover)  # the agent copied them in before the step
                 self.metrics.kv_handover_time.observe(now - seq.moved_at)
-            elif p.export:
-                if seq in lane.sched.exporting and seq.request.status is not Status.DONE:
-                    self._hand(lane, seq, lanes, now, requests)
-                else:  # it ended meanwhile: the agent has written its slots, nobody reads them
-                    self.slots.give(seq.handover)
-        return [seq.request for seq in lane.sched.evicted()] if lane.sched.role == "decode" else []
+        for seq in plan.moves + [p.seq for p in plan.rows if p.export]:
+            if seq in lane.sched.exporting and seq.request.status is not Status.DONE:
+                self._hand(lane, seq, lanes, now, requests)
+            else:  # it ended meanwhile: the agent has written its slots, nobody reads them
+                self.slots.give(seq.handover)
+        return [seq.request for seq in lane.sched.evicted()]
 
     def _hand(self, lane: AgentLane, seq: Any, lanes: list[AgentLane], now: float, requests: Requests) -> None:
+        """`seq`'s KV is out of `lane`: into the `incoming` of the agent that goes on with it (a
+        decode, or the rest of its prompt), the least loaded first, then the one with the most free blocks."""
         lane.sched.handed(seq)
-        decoders = [d for d in lanes if d.sched.role != "prefill" and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
-        if not decoders:
+        role = "prefill" if seq.remaining == 1 else "decode"  # the role that cannot go on with it
+        targets = [d for d in lanes if d is not lane and d.sched.role != role and not d.sched.draining
+                   and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
+        if not targets:
             self.slots.give(seq.handover)
-            log.error("request %s: its prompt's KV is out and no decode agent is live", seq.request.request_id)
-            requests.end(seq.request, "error", "no decode agent is live or coming back", 503)
+            log.error("request %s: its KV is out and no agent to go on with it is live", seq.request.request_id)
+            requests.end(seq.request, "error", "no agent to go on with it is live or coming back", 503)
             return
-        target = min(decoders, key=lambda d: (d.state is not LaneState.LIVE, d.sched.load, -d.sched.blocks.num_free))
+        target = min(targets, key=lambda d: (d.state is not LaneState.LIVE, d.sched.load, -d.sched.blocks.num_free))
         seq.agent_has_next = False  # its first token goes in the import's row
         target.sched.incoming.append(seq)
         seq.request.lane = target.index

@@ -2,6 +2,7 @@
 supervisor's restart threads post them; only the engine thread reads them)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from server.request import Request
@@ -29,8 +30,17 @@ class AgentBack:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """Move every sequence off the agent on `port` with its KV, and schedule nothing more there
+    (`resume`: schedule there again); `done` gets what moved, or a DrainError."""
+    port: int
+    resume: bool
+    done: Future
+
+
+@dataclass(frozen=True)
 class Wake:
     """Nothing to do but look at the stop flag (shutdown)."""
 
 
-Message = Add | Abort | AgentBack | Wake
+Message = Add | Abort | AgentBack | Drain | Wake

@@ -39,6 +39,8 @@ class Metrics:
                                       "(prompt tokens minus prefix-cache hits, plus recomputation)", registry=r)
         self.generation_tokens = Counter("llm_serving_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("llm_serving_preemptions", "Sequences preempted", registry=r)
+        self.recomputed = Counter("llm_serving_kv_tokens_discarded", "KV tokens thrown away, to be computed again: "
+                                  "preemption, a failed agent (a KV hand-over keeps them)", registry=r)
         self.agent_restarts = Counter("llm_serving_agent_restarts", "Agents restarted after a crash or a stuck step",
                                       registry=r)
         self.graph_compiles = Counter("llm_serving_graph_compiles", "Model graphs built by the agents (warm-up "

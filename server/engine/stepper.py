@@ -41,6 +41,7 @@ class Stepper:
         planned_at = time.monotonic()
         plan = lane.sched.schedule()
         self.metrics.preemptions.inc(plan.preempted)
+        self.metrics.recomputed.inc(plan.discarded)
         try:
             if not plan:
                 if not lane.busy:

@@ -42,7 +42,7 @@ class Supervisor:
     # ------------------------------------------------------------ routing
     def open_lanes(self) -> list[AgentLane]:
         """Lanes that take prompts (any role but `decode`): live ones, else those whose agent is coming back."""
-        lanes = [lane for lane in self.lanes if lane.sched.role != "decode"]
+        lanes = [lane for lane in self.lanes if lane.sched.role != "decode" and not lane.sched.draining]
         return [lane for lane in lanes if lane.live] or [lane for lane in lanes if lane.state is LaneState.RECOVERING]
 
     def recompute(self, req: Request) -> None:
@@ -66,6 +66,7 @@ class Supervisor:
         else:
             log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
+        self.metrics.recomputed.inc(lane.sched.kv_tokens)
         seqs = lane.go_down(why, time.monotonic(), kill)
         if launcher is not None and self.restart is not None:  # launch_agents is gone: nothing comes back until it is started again
             lane.orphan(launcher)

@@ -1,13 +1,16 @@
-"""Operations: /health, /metrics, /stats, /debug/trace."""
+"""Operations: /health, /metrics, /stats, /debug/trace, and draining an agent (/admin/agents/{port}/drain,
+behind the API keys as every route but /health and /metrics)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server.http.frontend import Frontend
+from server.engine.drain import DrainError
+from server.http.frontend import ApiError, Frontend
 
 router = APIRouter(tags=["operations"])
 
@@ -33,3 +36,22 @@ async def stats(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
 @router.get("/debug/trace")
 async def trace(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
     return f.engine.stepper.trace.chrome()  # recent steps (chrome://tracing, Perfetto)
+
+
+async def _drain(f: Frontend, port: int, resume: bool) -> dict[str, Any]:
+    try:
+        return await asyncio.wrap_future(f.engine.drain(port, resume))
+    except DrainError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+
+
+@router.post("/admin/agents/{port}/drain")
+async def drain(port: int, f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
+    """Move every sequence off the agent on `port` with its KV; answers once it holds none (then
+    restart or upgrade it: nothing is lost). Nothing new is scheduled there until it restarts or resumes."""
+    return await _drain(f, port, False)
+
+
+@router.post("/admin/agents/{port}/resume")
+async def resume(port: int, f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
+    return await _drain(f, port, True)

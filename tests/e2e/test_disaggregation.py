@@ -95,3 +95,40 @@ def test_a_killed_agent_of_either_role_loses_no_request(pd, undisturbed, role):
         assert time.monotonic() < deadline, "the killed agent did not come back"
         time.sleep(0.1)
     assert _metric(pd.url, "llm_serving_agent_restarts_total") == restarts + 1
+
+
+def test_an_agent_no_other_could_replace_is_not_drained(pd):
+    for role in ("prefill", "decode"):
+        port = pd.config["serving_config"]["agent_ports"][["prefill", "decode"].index(role)]
+        r = httpx.post(f"{pd.url}/admin/agents/{port}/drain", timeout=60)
+        assert r.status_code == 409 and "no other live agent" in r.text, r.text
+    assert httpx.post(f"{pd.url}/admin/agents/1/drain", timeout=60).status_code == 404
+
+
+def test_a_drain_moves_running_streams_with_their_kv(tmp_path, tiny_model_dir, undisturbed):
+    """Two agents doing both; agent 0 drained while its streams run (the agents paused from before
+    the requests to after the drain began, so it holds some whatever the machine's speed): every
+    text as undisturbed, no KV computed again."""
+    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, 2, **SIZES))
+    try:
+        port = srv.config["serving_config"]["agent_ports"][0]
+        out: dict[str, str] = {}
+        runner = threading.Thread(target=lambda: out.update(_all_at_once(srv.url)))
+        answer: dict = {}
+        drainer = threading.Thread(target=lambda: answer.update(
+            httpx.post(f"{srv.url}/admin/agents/{port}/drain", timeout=300).json()))
+        with srv.agents_paused():
+            runner.start()
+            srv.stats_until(lambda s: s["running"] > 0)
+            drainer.start()
+            srv.stats_until(lambda s: s["draining"][0])
+        drainer.join(300)
+        runner.join(300)
+        assert answer["moved"] > 0 and answer["draining"], answer
+        assert out == undisturbed
+        assert _metric(srv.url, "llm_serving_kv_tokens_discarded_total") == 0
+        assert httpx.get(f"{srv.url}/stats", timeout=10).json()["kv_usage"][0] == 0.0  # it holds nothing
+        assert _all_at_once(srv.url) == undisturbed  # served by agent 1 alone now
+        assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).json() == {"port": port, "draining": False}
+    finally:
+        srv.stop()

@@ -1,0 +1,80 @@
+"""Draining an agent live (`POST /admin/agents/{port}/drain`): every sequence it holds moves to the
+other agents with its KV (server/engine/handover.py), those it has not started are queued elsewhere,
+and nothing new is scheduled there, so a rolling restart drops no request and computes nothing
+again. A drained agent takes work again when it restarts (a fresh agent) or on `.../resume`."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from common.config import ServingConfig
+from server.engine.lane import AgentLane
+from server.engine.messages import Drain
+from server.engine.supervisor import Supervisor
+
+
+class DrainError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Drains:
+    def __init__(self, cfg: ServingConfig, lanes: list[AgentLane], supervisor: Supervisor, can_move: str | None):
+        """`can_move`: None where KV can move between these agents, else why not."""
+        self.cfg, self.lanes, self.supervisor, self.can_move = cfg, lanes, supervisor, can_move
+        self.pending: dict[int, tuple[Future, int]] = {}  # lane -> (its drain's Future, its scheduler's moved then)
+
+    def _lane(self, port: int) -> AgentLane:
+        ports = self.cfg.agent_ports
+        if port not in ports:
+            raise DrainError(404, f"no agent on port {port} (serving_config.agent_ports: {ports})")
+        group = next(i for i, g in enumerate(self.cfg.groups) if ports.index(port) in g)
+        if ports[self.cfg.groups[group][0]] != port:
+            raise DrainError(400, f"port {port} is a tensor-parallel rank > 0: drain its group's first port")
+        return self.lanes[group]
+
+    def start(self, msg: Drain) -> None:
+        try:
+            lane = self._lane(msg.port)
+            if msg.resume:
+                lane.sched.draining = False
+                msg.done.set_result({"port": msg.port, "draining": False})
+                return
+            why = self.can_move or self._refusal(lane)
+            if why:
+                raise DrainError(409, why)
+        except DrainError as exc:
+            msg.done.set_exception(exc)
+            return
+        lane.sched.draining = True
+        self.pending[lane.index] = (msg.done, lane.sched.moved)
+        for req in [seq.request for seq in lane.sched.evicted()]:  # not started: queued elsewhere
+            self.supervisor.recompute(req)
+
+    def _refusal(self, lane: AgentLane) -> str | None:
+        """Why the other agents could not take over (None: they can)."""
+        others = [o for o in self.lanes if o is not lane and o.live and not o.sched.draining]
+        if not any(o.sched.role != "decode" for o in others) or not any(o.sched.role != "prefill" for o in others):
+            return (f"agent {lane.index} (port {self.cfg.agent_ports[self.cfg.groups[lane.index][0]]}) is needed: "
+                    "no other live agent would take its prompts or its decodes")
+        return None
+
+    def check(self) -> None:
+        """Drains whose agent holds nothing now (or went down meanwhile: its sequences were
+        recomputed elsewhere) are done."""
+        for index, (done, moved) in list(self.pending.items()):
+            lane = self.lanes[index]
+            if lane.sched.draining and (lane.sched.load or lane.busy):
+                continue
+            del self.pending[index]
+            done.set_result(self._result(lane, moved))
+
+    def _result(self, lane: AgentLane, moved: int) -> dict[str, Any]:
+        out = {"port": self.cfg.agent_ports[self.cfg.groups[lane.index][0]], "draining": lane.sched.draining,
+               "state": lane.state.value}
+        if lane.sched.draining:
+            out["moved"] = lane.sched.moved - moved
+        else:
+            out["note"] = f"the agent went down during the drain ({lane.why}); its sequences were computed again elsewhere"
+        return out
