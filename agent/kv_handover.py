@@ -86,6 +86,7 @@ class Handovers:
         self.pages: KvPages | None = None
         self.segment: Segment | None = None
         self.view: np.ndarray | None = None  # the segment as slots
+        self.seconds = 0.0  # the last step's copies took
 
     def _slots(self, name: Any) -> np.ndarray:
         if not isinstance(name, str):
@@ -112,15 +113,19 @@ class Handovers:
                                  f"({self.runner.rc.num_blocks} blocks, {n} slots)")
 
     def imports(self, h: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         for seq, blocks, at in h.get("import", []):
             self.pages.load(blocks, self.view, at)
             self.runner.seqs.forget_last(seq)
+        self.seconds = time.perf_counter() - t0
 
     def exports(self, h: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         for seq, blocks, at in h.get("export", []):
             self.pages.export(blocks, self.view, at)
-            if EXPORT_DELAY_S:
-                time.sleep(EXPORT_DELAY_S)
+        self.seconds += time.perf_counter() - t0
+        if EXPORT_DELAY_S and h.get("export"):
+            time.sleep(EXPORT_DELAY_S)
 
     def close(self) -> None:
         self.view = None

@@ -142,7 +142,7 @@ class AgentServer:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = [] if self.segment is not None else arena.output_frames(dims)
         return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles,
-                         rss_bytes()).to_wire(), frames
+                         rss_bytes(), self.handovers.seconds).to_wire(), frames
 
     def _load_adapter(self, peer: bytes, h: dict[str, Any]) -> dict[str, Any]:
         """`l`: the PEFT folder at `path` (None: nothing) into LoRA slot `slot`, from the next step on."""

@@ -64,3 +64,4 @@ class StepReply(Wire):
     graph_tokens: int = 0  # the token bucket that ran it
     graph_compiles: int = 0
     rss_bytes: int = 0  # the agent's resident memory after the step
+    handover_s: float = 0.0  # its KV hand-over copies (`import`, `export`)

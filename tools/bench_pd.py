@@ -29,7 +29,8 @@ from tools import server_process
 from tools.bench_serving import BenchRequest, random_dataset, run_benchmark, summarize
 
 HANDOVER = {"handovers": "llm_serving_kv_handovers_total", "bytes": "llm_serving_kv_handover_bytes_total",
-            "seconds": "llm_serving_kv_handover_seconds_sum"}
+            "seconds": "llm_serving_kv_handover_seconds_sum", "copy": "llm_serving_kv_handover_copy_seconds_total",
+            "prompt": "llm_serving_prompt_tokens_total"}
 LAYOUTS = {"pd": ([[0], [1]], ["prefill", "decode"]), "dp": ([[0], [1]], ["both", "both"]), "one": ([[0, 1]], ["both"])}
 
 
@@ -77,7 +78,6 @@ def run_layout(name: str, config: Path, reqs: list[BenchRequest], args: argparse
         s = summarize(results, duration)
         s["goodput"] = goodput(results, duration, args.ttft_slo, args.tpot_slo)
         s.update({k: _counter(base, HANDOVER[k]) - v for k, v in moved.items()})
-        s["prompt_tokens"] = sum(r.prompt_len for r in results if r.ok)
         return s
     finally:
         proc.terminate()
@@ -103,9 +103,11 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"\nPD vs the better other: TPOT p99 {pd['p99_tpot_ms'] / best_tpot:.2f}x, goodput "
               f"{pd['goodput'] / best_good if best_good else float('inf'):.2f}x, output tok/s "
               f"{pd['output_throughput'] / best_tok:.2f}x, TTFT p99 {pd['p99_ttft_ms'] / best_ttft:.2f}x")
-        k = pd["prompt_tokens"] / 1000 or 1
-        print(f"Hand-overs: {pd['handovers']:.0f}, {pd['bytes'] / 2**20 / k:.1f} MiB and "
-              f"{pd['seconds'] * 1000 / k:.1f} ms per 1k prompt tokens (export reply to import reply)")
+        k = pd["prompt"] / 1000 or 1
+        print(f"Hand-overs: {pd['handovers']:.0f} of {pd['prompt']:.0f} prompt tokens; per 1k of them "
+              f"{pd['bytes'] / 2**20 / k:.1f} MiB, {pd['copy'] * 1000 / k:.1f} ms of copies on the agents, "
+              f"{pd['seconds'] * 1000 / pd['handovers'] if pd['handovers'] else 0:.0f} ms from the export's reply to the "
+              "import's per hand-over (waiting for the decode agent's next step included)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,9 @@ from shm.arena import Segment, segment_name
 from shm.link import AgentLink
 
 log = logging.getLogger("llm_serving.engine")
-SEGMENT_BYTES = 256 << 20  # the hand-over segment's size at least (tmpfs: pages exist once written)
+# The hand-over segment holds two of the longest sequences' KV, and at least this much (tmpfs: its
+# pages exist once written). With no slots free a prompt waits one token short of its end.
+SEGMENT_BYTES = 64 << 20
 
 
 class HandoverError(RuntimeError):
@@ -36,7 +38,7 @@ class Handover:
             raise HandoverError(f"serving_config.agent_roles: the agents' KV blocks differ in bytes ({sorted(sizes)}): "
                                 "start every agent from the same YAML (model, dtypes, block_size)")
         self.slot_bytes = sizes.pop()
-        n = max(4 * -(-cfg.max_model_len // cfg.block_size), SEGMENT_BYTES // self.slot_bytes)
+        n = max(2 * -(-cfg.max_model_len // cfg.block_size), SEGMENT_BYTES // self.slot_bytes)
         self.segment = Segment(segment_name("handover"), n * self.slot_bytes, create=True)
         self.slots = HandoverSlots(n)
         self.metrics = metrics

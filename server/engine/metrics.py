@@ -65,6 +65,8 @@ class Metrics:
         self.kv_handovers = Counter("llm_serving_kv_handovers", "Sequences whose KV moved to another agent",
                                     registry=r)
         self.kv_handover_bytes = Counter("llm_serving_kv_handover_bytes", "KV bytes moved between agents", registry=r)
+        self.kv_handover_copy = Counter("llm_serving_kv_handover_copy_seconds", "The agents' KV copies into and out "
+                                        "of the hand-over segment", registry=r)
         self.kv_handover_time = Histogram("llm_serving_kv_handover_seconds", "A hand-over: from the reply that "
                                           "exported the KV to the reply of the step that imported it", buckets=_LAT,
                                           registry=r)

