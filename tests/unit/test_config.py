@@ -157,3 +157,25 @@ def test_lora_modules_from_yaml_and_the_command_line_and_their_refusals(tmp_path
                             ({"model_dtype": "int8"}, "float model_dtype"), ({"max_lora_rank": 0}, "max_lora_rank")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(path, **overrides)
+
+
+def test_agent_roles_from_yaml_and_the_command_line_and_their_refusals(tmp_path):
+    from common.config import ConfigError, load_config
+    from common.config_values import as_roles
+    from llm_serving.serve import parser
+
+    path = tmp_path / "pd.yaml"
+    path.write_text("serving_config:\n  agent_ports: [7001, 7002, 7003]\n  agent_roles: [prefill, decode, both]\n")
+    cfg = load_config(path)
+    assert cfg.disaggregated and [cfg.role(i) for i in range(3)] == ["prefill", "decode", "both"]
+    assert not load_config(None).disaggregated and load_config(None).role(0) == "both"
+    assert as_roles(parser().parse_args(["--agent-roles", "prefill, Decode"]).agent_roles) == ["prefill", "decode"]
+    two = {"agent_ports": [7001, 7002]}
+    for overrides, says in (({"agent_roles": ["prefill", "decode"]}, "one role per agent_ports entry (3)"),
+                            ({**two, "agent_roles": ["prefill", "prefill"]}, "no agent decodes"),
+                            ({**two, "agent_roles": ["decode", "decode"]}, "no agent takes prompts"),
+                            ({**two, "agent_roles": ["prefill", "fast"]}, "each one of both, prefill, decode"),
+                            ({**two, "agent_roles": ["prefill", "decode"], "tensor_parallel_size": 2}, "single ranks"),
+                            ({**two, "agent_roles": ["prefill", "decode"], "agent_ip": "10.0.0.2"}, "shared-memory")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(path, **overrides)
