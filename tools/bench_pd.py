@@ -103,11 +103,12 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"\nPD vs the better other: TPOT p99 {pd['p99_tpot_ms'] / best_tpot:.2f}x, goodput "
               f"{pd['goodput'] / best_good if best_good else float('inf'):.2f}x, output tok/s "
               f"{pd['output_throughput'] / best_tok:.2f}x, TTFT p99 {pd['p99_ttft_ms'] / best_ttft:.2f}x")
-        k = pd["prompt"] / 1000 or 1
+    if "pd" in runs:
+        pd, k = runs["pd"], runs["pd"]["prompt"] / 1000 or 1
         print(f"Hand-overs: {pd['handovers']:.0f} of {pd['prompt']:.0f} prompt tokens; per 1k of them "
               f"{pd['bytes'] / 2**20 / k:.1f} MiB, {pd['copy'] * 1000 / k:.1f} ms of copies on the agents, "
-              f"{pd['seconds'] * 1000 / pd['handovers'] if pd['handovers'] else 0:.0f} ms from the export's reply to the "
-              "import's per hand-over (waiting for the decode agent's next step included)")
+              f"{pd['seconds'] * 1000 / pd['handovers'] if pd['handovers'] else 0:.0f} ms from the export's reply to "
+              "the import's per hand-over (waiting for the decode agent's next step included)")
 
 
 def main(argv: list[str] | None = None) -> int:
