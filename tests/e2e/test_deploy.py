@@ -18,13 +18,36 @@ K8S_VERSION = "1.30.0"
 
 
 def render(folder: Path) -> list[dict[str, Any]]:
-    """A kustomization's resources, its sub-kustomizations included (what `kubectl kustomize` reads)."""
+    """A kustomization's resources, its sub-kustomizations included, and its strategic-merge patches
+    (what `kubectl kustomize` builds)."""
     kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
     docs: list[dict[str, Any]] = []
     for res in kust["resources"]:
         path = (folder / res).resolve()
         docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kust.get("patches", []):
+        p = yaml.safe_load((folder / patch["path"]).read_text())
+        [target] = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (p["kind"], p["metadata"]["name"])]
+        _merge(target, p)
     return docs
+
+
+def _merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
+    """Strategic merge as Kubernetes does it for these fields: maps key by key, lists of named items
+    item by name, anything else replaced."""
+    for key, value in patch.items():
+        old = into.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            _merge(old, value)
+        elif isinstance(old, list) and isinstance(value, list) and all(isinstance(v, dict) and "name" in v for v in value):
+            for item in value:
+                match = [o for o in old if o.get("name") == item["name"]]
+                if match:
+                    _merge(match[0], item)
+                else:
+                    old.append(item)
+        else:
+            into[key] = value
 
 
 def _by_kind(docs: list[dict], kind: str) -> list[dict]:
@@ -38,7 +61,7 @@ def _serving_config(docs: list[dict], tmp_path: Path) -> Any:
     return load_config(path)
 
 
-@pytest.mark.parametrize("layout", ["base", "remote-agents"])
+@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd"])
 def test_manifests_pass_the_kubernetes_schemas(layout):
     docs = render(DEPLOY / layout)
     assert {"ConfigMap", "Secret", "Deployment", "Service"} <= {d["kind"] for d in docs}
@@ -53,7 +76,7 @@ def _app_paths() -> set[str]:
     return set(build_app(None, ServingConfig(), None).openapi()["paths"])  # the routes only: nothing runs
 
 
-@pytest.mark.parametrize("layout", ["base", "remote-agents"])
+@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd"])
 def test_probes_ports_and_mounts_exist_in_the_app_and_config(layout, tmp_path):
     docs = render(DEPLOY / layout)
     cfg = _serving_config(docs, tmp_path)
@@ -95,6 +118,16 @@ def test_probes_ports_and_mounts_exist_in_the_app_and_config(layout, tmp_path):
         names = {p["name"] for d in selected for c in d["spec"]["template"]["spec"]["containers"]
                  for p in c.get("ports", [])}
         assert selected and all(p["targetPort"] in names for p in svc["spec"]["ports"])
+
+
+def test_the_pd_layout_runs_a_prefill_and_a_decode_agent_in_one_pod(tmp_path):
+    docs = render(DEPLOY / "pd")
+    cfg = _serving_config(docs, tmp_path)
+    assert cfg.disaggregated and [cfg.role(i) for i in range(len(cfg.agent_ports))] == ["prefill", "decode"]
+    [dep] = _by_kind(docs, "Deployment")
+    containers = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"agents", "server"} and containers["agents"]["resources"]["limits"]["memory"] == "6Gi"
+    assert containers["server"]["startupProbe"]["httpGet"]["path"] == "/health"  # the base's, kept by the merge
 
 
 def test_the_image_is_the_readmes_set_up():

@@ -1,8 +1,9 @@
 """deploy/ run, not just validated: each container's command starts with exactly the files and
 environment its manifest gives it (ConfigMap keys, Secret items, emptyDirs, env values and
 secretKeyRefs), laid out under a temporary root, and one request goes end to end through the
-layout: `base` (launch_agents and llm-serving --attach in one pod) and `remote-agents` (an agents pod
-and a server pod over tcp + CURVE, keys made and split into Secrets as the kustomization says).
+layout: `base` (launch_agents and llm-serving --attach in one pod), `remote-agents` (an agents pod
+and a server pod over tcp + CURVE, keys made and split into Secrets as the kustomization says) and
+`pd` (a prefill and a decode agent in one pod, KV handed over its /dev/shm).
 
 What a test machine must change is changed in the ConfigMap and nowhere else: the tiny model and
 small buckets instead of SmolLM2's, free ports, and the Service's name resolving to 127.0.0.2."""
@@ -30,7 +31,8 @@ def _configmap(doc: dict, model_dir: Path, root: Path, agent_port: int, http_por
     serving = yaml.safe_load(doc["data"]["serving.yaml"])
     serving["model_config"].update(model_path=str(model_dir), model_name="tiny", seq_length=[16, 32],
                                    decode_batch_size=[1, 4], prefill_batch_size=[2], end_token=[257])
-    serving["serving_config"].update(agent_ports=[agent_port], server_port=http_port,
+    more = [free_port() for _ in serving["serving_config"]["agent_ports"][1:]]  # deploy/pd's second agent
+    serving["serving_config"].update(agent_ports=[agent_port, *more], server_port=http_port,
                                      compile_cache_dir=str(root / "cache" / "mindspore"))
     serving["pa_config"].update(num_blocks=64, block_size=4, decode_seq_length=128)
     return {"serving.yaml": yaml.safe_dump(serving)}
@@ -142,7 +144,7 @@ def _run_layout(layout: str, tmp: Path, model_dir: Path) -> None:
                     p.wait(10)
 
 
-@pytest.mark.parametrize("layout", ["base", "remote-agents"])
+@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd"])
 def test_each_container_starts_with_its_manifests_files_and_serves(layout, tiny_model_dir):
     import shutil
     import tempfile
