@@ -82,18 +82,26 @@ class Handover:
         """`seq`'s KV is out of `lane`: into the `incoming` of the agent that goes on with it (a
         decode, or the rest of its prompt), the least loaded first, then the one with the most free blocks."""
         lane.sched.handed(seq)
-        role = "prefill" if seq.remaining == 1 else "decode"  # the role that cannot go on with it
-        targets = [d for d in lanes if d is not lane and d.sched.role != role and not d.sched.draining
-                   and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
-        if not targets:
+        target = successor(seq, [d for d in lanes if d is not lane])
+        if target is None:
             self.slots.give(seq.handover)
             log.error("request %s: its KV is out and no agent to go on with it is live", seq.request.request_id)
             requests.end(seq.request, "error", "no agent to go on with it is live or coming back", 503)
             return
-        target = min(targets, key=lambda d: (d.state is not LaneState.LIVE, d.sched.load, -d.sched.blocks.num_free))
-        seq.agent_has_next = False  # its first token goes in the import's row
         target.sched.incoming.append(seq)
         seq.request.lane = target.index
         seq.moved_at = now
         self.metrics.kv_handovers.inc()
         self.metrics.kv_handover_bytes.inc(len(seq.handover) * self.slot_bytes)
+
+
+def successor(seq: Any, lanes: list[AgentLane]) -> AgentLane | None:
+    """Of `lanes`, the one to go on with `seq` once its KV is in hand-over slots: one whose role
+    allows its next row (a decode, or the rest of its prompt), not draining, live (else coming
+    back), the least loaded, then the one with the most free blocks. None: no such lane."""
+    role = "prefill" if seq.remaining == 1 else "decode"  # the role that cannot go on with it
+    targets = [d for d in lanes if d.sched.role != role and not d.sched.draining
+               and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
+    seq.agent_has_next = False  # its next row carries its token
+    return min(targets, key=lambda d: (d.state is not LaneState.LIVE, d.sched.load, -d.sched.blocks.num_free),
+               default=None)

@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from common.config import ServingConfig
+from server.engine.handover import successor
 from server.engine.lane import AgentLane, LaneState
 from server.engine.messages import AgentBack, Message
 from server.engine.metrics import Metrics
@@ -66,6 +67,7 @@ class Supervisor:
         else:
             log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
+        moving, lane.sched.incoming = lane.sched.incoming, []  # their KV is in hand-over slots, not on the agent
         self.metrics.recomputed.inc(lane.sched.kv_tokens)
         seqs = lane.go_down(why, time.monotonic(), kill)
         if launcher is not None and self.restart is not None:  # launch_agents is gone: nothing comes back until it is started again
@@ -76,6 +78,15 @@ class Supervisor:
             self._restart(lane)
         else:
             lane.fail()
+        for seq in moving:  # to another agent, or this one once it is back; else computed again
+            if (target := successor(seq, self.lanes)) is not None and seq.request.status is not Status.DONE:
+                target.sched.incoming.append(seq)
+                seq.request.lane = target.index
+            else:
+                lane.handover.give(seq.handover)
+                self.metrics.recomputed.inc(seq.computed)
+                seq.computed, seq.pending = 0, 0
+                seqs.append(seq)
         open_lanes = self.open_lanes()
         for seq in seqs:  # recompute from prompt + tokens so far: elsewhere, or here once the agent is back
             req = seq.request
