@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from common.config_keys import KEYS, SECTIONS, SPEC_METHODS, notices
-from common.cpu import isa_cap
-from common.config_values import ROLES, WHAT
+from common.config_checks import ConfigError, check_together
+from common.config_keys import KEYS, SECTIONS, notices
+from common.config_values import WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
 # At most this many inputs per int8 scale (agent.model.quant.group_for): 576-input rows (SmolLM2's hidden
@@ -206,7 +206,7 @@ class ServingConfig:
             items = value if isinstance(value, list) else [value]
             if not items or not all(k.check(v) for v in items):
                 raise ConfigError(f"{k.name} = {value!r}: must be {k.allowed}")
-        _check_together(self)
+        check_together(self)
         return self
 
 
@@ -241,80 +241,6 @@ def speculative_overrides(text: str) -> dict[str, Any]:
         return {rows[key].attr: rows[key].read(value) for key, value in doc.items() if value is not None}
     except (TypeError, ValueError):
         raise ConfigError(f"--speculative-config {text}: a value is not of its key's type") from None
-
-
-class ConfigError(ValueError):
-    """A config that cannot be served: one line naming the key, its value and what is allowed."""
-
-
-def _check_together(c: ServingConfig) -> None:
-    """What no one key's range says: ports and hosts, groups, the pool against one sequence; and the
-    environment's CPU cap (LLM_SERVING_MAX_ISA), which every agent reads."""
-    try:
-        isa_cap()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if c.agent_hosts and len(c.agent_hosts) != len(c.agent_ports):
-        raise ConfigError(f"serving_config.agent_hosts = {c.agent_hosts}: one host per agent_ports entry "
-                          f"({len(c.agent_ports)})")
-    if len(set(zip(c.agent_hosts or [c.agent_ip] * len(c.agent_ports), c.agent_ports))) != len(
-            c.agent_ports):
-        raise ConfigError(f"serving_config.agent_ports = {c.agent_ports}: each port once")
-    if len(c.agent_ports) % c.tensor_parallel_size:
-        raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size}: must divide the "
-                          f"{len(c.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
-    if c.device != "CPU" and c.model_dtype not in ("float32", "float16"):  # agent.model.backend.PLAIN_DTYPES
-        raise ConfigError(f"model_dtype {c.model_dtype} on {c.device}: the plain MindSpore path other devices run "
-                          "holds float32 or float16 weights")
-    if c.tensor_parallel_size > 1 and c.model_dtype == "int8":
-        raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype int8: "
-                          "tensor parallelism runs float32, bfloat16 or float16 weights")
-    if c.spec_method is not None and c.spec_method not in SPEC_METHODS:
-        raise ConfigError(f"speculative_config.method = {c.spec_method!r}: this server drafts with "
-                          f"{', '.join(SPEC_METHODS)} (prompt lookup on the agent); {c.spec_method} is not served")
-    if c.spec_lookup_min > c.spec_lookup_max:
-        raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
-                          f"({c.spec_lookup_max})")
-    if len(c.lora_modules) > c.max_loras:
-        raise ConfigError(f"serving_config.lora_modules: {len(c.lora_modules)} adapters, more than max_loras "
-                          f"{c.max_loras} (every adapter is loaded at start: raise max_loras)")
-    clash = sorted(set(c.lora_modules) & {c.model_name, *c.model_aliases})
-    if clash:
-        raise ConfigError(f"serving_config.lora_modules: {clash} also name the base model")
-    if c.lora_enabled and (c.model_dtype == "int8" or c.tensor_parallel_size > 1):
-        raise ConfigError("serving_config.lora_modules: adapters are served on a float model_dtype (float32, bfloat16, "
-                          "float16) without tensor parallel")
-    _check_roles(c)
-    if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:
-        raise ConfigError(f"pa_config: {c.num_blocks - 1} usable blocks x block_size {c.block_size} hold "
-                          f"{(c.num_blocks - 1) * c.block_size} tokens, less than one sequence of "
-                          f"decode_seq_length {c.max_model_len} (block 0 is reserved); need num_blocks >= "
-                          f"{-(-c.max_model_len // c.block_size) + 1}")
-
-
-def _check_roles(c: ServingConfig) -> None:
-    """A role set that can serve: one per port, someone takes prompts, someone decodes; disaggregated
-    agents are local (the hand-over is a shared-memory segment) and not tensor-parallel."""
-    if not c.agent_roles:
-        return
-    roles = c.agent_roles
-    if not set(roles) <= set(ROLES):
-        raise ConfigError(f"serving_config.agent_roles = {roles}: each one of {', '.join(ROLES)}")
-    if len(roles) != len(c.agent_ports):
-        raise ConfigError(f"serving_config.agent_roles = {roles}: one role per agent_ports entry ({len(c.agent_ports)})")
-    if not c.disaggregated:
-        return
-    if "decode" not in roles and "both" not in roles:
-        raise ConfigError(f"serving_config.agent_roles = {roles}: no agent decodes (give one `decode` or `both`)")
-    if "prefill" not in roles and "both" not in roles:
-        raise ConfigError(f"serving_config.agent_roles = {roles}: no agent takes prompts (give one `prefill` or `both`)")
-    if c.tensor_parallel_size > 1:
-        raise ConfigError(f"serving_config.agent_roles = {roles} with tensor_parallel_size {c.tensor_parallel_size}: "
-                          "disaggregated agents are single ranks")
-    remote = sorted({c.agent_host(i) for i in range(len(roles))} - {"127.0.0.1", "localhost"})
-    if remote:
-        raise ConfigError(f"serving_config.agent_roles = {roles} with agents on {remote}: the KV hand-over is a "
-                          "shared-memory segment, for agents on the server's host (agent_ip 127.0.0.1)")
 
 
 def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTY
 
 
 SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer", "speculative_config")
-SPEC_METHODS = ("ngram",)  # served; vLLM's others are refused by name (common.config._check_together)
+SPEC_METHODS = ("ngram",)  # served; vLLM's others are refused by name (common.config_checks.check_together)
 # Whole sections accepted and not needed here, with why.
 IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
                     for name in ("basic_inputs", "extra_inputs", "warmup_inputs")}

@@ -61,7 +61,10 @@ class Metrics:
         self.lora_tokens = Counter("llm_serving_lora_generation_tokens", "Generated tokens per LoRA adapter",
                                    ["adapter"], registry=r)
 
-        # Prefill/decode disaggregation (serving_config.agent_roles): prompts' KV moved between agents
+        self._handover_metrics(r)
+
+    def _handover_metrics(self, r: CollectorRegistry) -> None:
+        """KV moved between agents: prefill/decode disaggregation (serving_config.agent_roles), drains."""
         self.kv_handovers = Counter("llm_serving_kv_handovers", "Sequences whose KV moved to another agent",
                                     registry=r)
         self.kv_handover_bytes = Counter("llm_serving_kv_handover_bytes", "KV bytes moved between agents", registry=r)
