@@ -12,6 +12,7 @@ from common.config import ServingConfig
 from common.model_files import model_identity, resolve_model
 from llm_serving.agents import AgentStartError, respawn_group, start_agents, stop_agents
 from server.engine.engine import Engine
+from server.engine.handover import HandoverError
 from common.tokenizer import TextTokenizer, load_tokenizer
 from shm import protocol as P
 from shm.arena import ArenaSpec
@@ -155,6 +156,12 @@ def start_engine(cfg: ServingConfig, config_path: str | None, overrides: dict[st
     except BaseException:
         stop_agents(procs)
         raise
-    engine = Engine(cfg, tok, clients, restart=restarter(cfg, config_path, overrides, procs))
+    try:
+        engine = Engine(cfg, tok, clients, restart=restarter(cfg, config_path, overrides, procs))
+    except HandoverError as exc:  # disaggregated agents started with other dtypes: nothing is served wrong
+        for c in clients:
+            c.close(detach=True)
+        stop_agents(procs)
+        raise AttachError(str(exc)) from None
     engine.start()
     return engine, tok, procs

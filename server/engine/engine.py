@@ -19,7 +19,7 @@ from common.config import ServingConfig
 from common.tokenizer import TextTokenizer
 from server.detok import IncrementalDetokenizer
 from server.engine.adapters import AdapterSlots, Load
-from server.engine.handover import Handover
+from server.engine.handover import Handover, HandoverError, block_bytes
 from server.engine.lane import AgentLane, lanes_stats
 from server.engine.drain import Drains
 from server.engine.messages import Abort, Add, AgentBack, Drain, Message, Wake
@@ -45,6 +45,8 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.adapters = AdapterSlots(cfg)
         why_not = _why_kv_cannot_move(cfg, clients)
+        if why_not and cfg.disaggregated:
+            raise HandoverError(f"serving_config.agent_roles: {why_not}")
         self.handover = Handover(cfg, clients, self.metrics) if why_not is None else None
         self.lanes = [AgentLane(i, c, cfg, self.handover.slots if self.handover else None) for i, c in enumerate(clients)]
         for lane in self.lanes:
@@ -226,4 +228,8 @@ def _why_kv_cannot_move(cfg: ServingConfig, clients: list[AgentLink]) -> str | N
         return "tensor-parallel agents: a sequence's KV is split over a group's ranks"
     if not all(c.local for c in clients):
         return "agents on other hosts: the KV hand-over is a shared-memory segment on the server's host"
+    sizes = sorted({block_bytes(c) for c in clients})
+    if len(sizes) > 1:
+        return (f"the agents' KV blocks differ in bytes ({sizes}): start every agent from the same YAML "
+                "(model, dtypes, block_size)")
     return None

@@ -28,16 +28,17 @@ SEGMENT_BYTES = 64 << 20
 
 
 class HandoverError(RuntimeError):
-    """Agents whose KV blocks cannot move between them (a config that mixes dtypes or layouts)."""
+    """Disaggregated agents whose KV cannot move between them (agents started with other dtypes)."""
+
+
+def block_bytes(client: AgentLink) -> int:
+    """The bytes of one of the agent's KV blocks: one hand-over slot."""
+    return client.info.kv_cache_bytes // client.info.geometry["num_blocks"]
 
 
 class Handover:
     def __init__(self, cfg: ServingConfig, clients: list[AgentLink], metrics: Metrics):
-        sizes = {c.info.kv_cache_bytes // c.info.geometry["num_blocks"] for c in clients}
-        if len(sizes) != 1:
-            raise HandoverError(f"serving_config.agent_roles: the agents' KV blocks differ in bytes ({sorted(sizes)}): "
-                                "start every agent from the same YAML (model, dtypes, block_size)")
-        self.slot_bytes = sizes.pop()
+        self.slot_bytes = block_bytes(clients[0])
         n = max(2 * -(-cfg.max_model_len // cfg.block_size), SEGMENT_BYTES // self.slot_bytes)
         self.segment = Segment(segment_name("handover"), n * self.slot_bytes, create=True)
         self.slots = HandoverSlots(n)
