@@ -123,24 +123,25 @@ class AgentServer:
         if not arena.spec.fits(dims):
             raise CommandError(P.E_BAD_STEP, f"step {dims} exceeds the arena {arena.spec}")
         try:
+            kv_frames = msg.frames  # the frames after the step's tensors (a tcp agent's) carry KV
             if self.segment is None:
-                load_step_frames(arena, msg)
+                kv_frames = load_step_frames(arena, msg)
             v = arena.step(dims)
             rc = self.runner.rc
             check_indices(v, self.runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
             if msg.cmd == P.DECODE_STEP:
                 check_decode(v)
             graph_tokens, _ = graph_for(v.inputs, self.runner.rc)
-            self.handovers.check(h)
+            self.handovers.check(h, kv_frames)
         except (ValueError, OSError) as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
             self.handovers.imports(h)
             model_s = self.runner.step(v, h["free"], h.get("grammars", []), h.get("histories", []))
-            self.handovers.exports(h)
+            kv_out = self.handovers.exports(h)
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
-        frames = [] if self.segment is not None else arena.output_frames(dims)
+        frames = ([] if self.segment is not None else arena.output_frames(dims)) + kv_out
         return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles,
                          rss_bytes(), self.handovers.seconds).to_wire(), frames
 

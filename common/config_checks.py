@@ -81,7 +81,3 @@ def _check_roles(c: ServingConfig) -> None:
     if c.tensor_parallel_size > 1:
         raise ConfigError(f"serving_config.agent_roles = {roles} with tensor_parallel_size {c.tensor_parallel_size}: "
                           "disaggregated agents are single ranks")
-    remote = sorted({c.agent_host(i) for i in range(len(roles))} - {"127.0.0.1", "localhost"})
-    if remote:
-        raise ConfigError(f"serving_config.agent_roles = {roles} with agents on {remote}: the KV hand-over is a "
-                          "shared-memory segment, for agents on the server's host (agent_ip 127.0.0.1)")

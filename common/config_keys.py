@@ -123,8 +123,9 @@ KEYS: list[Key] = [
              "restarts its group"),
     Key(S, "agent_roles", "agent_roles", as_roles, allowed=f"one of {', '.join(ROLES)} per agent_ports entry",
         here="ours: prefill/decode disaggregation (`--agent-roles prefill,decode`): a `prefill` agent runs prompts "
-             "only and hands each finished prompt's KV to a `decode` agent over shared memory; `both` (the default) "
-             "does either. Local agents, no tensor parallel; at least one agent takes prompts and one decodes"),
+             "only and hands each finished prompt's KV to a `decode` agent (over shared memory, or tcp frames to "
+             "agents on other hosts); `both` (the default) does either. No tensor parallel; at least one agent "
+             "takes prompts and one decodes"),
     Key(S, "agent_ip", "agent_ip", str, original="where agents listen", here="same: `127.0.0.1` = ipc + shared memory, else tcp"),
     Key(S, "start_device_id", "start_device_id", as_int, lambda v: v >= 0, ">= 0", "device of agent 0",
         "same: agent i calls `mindspore.set_device(device, start_device_id + i)` and reports the target and id "

@@ -135,6 +135,14 @@ class Arena:
                 raise ValueError(f"frame {f.name}: {len(raw)} bytes, expected {dst.nbytes}")
             dst[...] = np.frombuffer(raw, dtype=f.dtype).reshape(dst.shape)
 
+    @property
+    def n_input_frames(self) -> int:
+        return len(list(all_fields(INPUT_SECTIONS)))
+
+    @property
+    def n_output_frames(self) -> int:
+        return len(list(all_fields(OUTPUT_SECTIONS)))
+
     def input_frames(self, dims: StepDims) -> list[bytes]:
         return self._frames(dims, INPUT_SECTIONS)
 

@@ -43,9 +43,10 @@ class GroupClient:
             r.check_alive()
 
     def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None,
-                  grammars: list[list[Any]] | None = None, extra: dict[str, Any] | None = None) -> None:
+                  grammars: list[list[Any]] | None = None, extra: dict[str, Any] | None = None,
+                  kv_frames: list[Any] | None = None) -> None:
         for r in self.ranks:
-            r.send_step(dims, free, has_prefill, slot, tag, grammars, extra)
+            r.send_step(dims, free, has_prefill, slot, tag, grammars, extra, kv_frames)
 
     def send_heartbeat(self) -> None:
         for r in self.ranks:

@@ -3,7 +3,7 @@ reply (`StepReply`). The wire carries them as msgpack maps (docs/protocol.md); `
 the fields it knows, so an agent of a newer minor version may add others."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # What /stats and /info show of each agent's memory and kernels.
@@ -65,3 +65,7 @@ class StepReply(Wire):
     graph_compiles: int = 0
     rss_bytes: int = 0  # the agent's resident memory after the step
     handover_s: float = 0.0  # its KV hand-over copies (`import`, `export`)
+    kv_frames: list[bytes] = field(default_factory=list)  # not on the wire: the slots it exported as frames
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "kv_frames"}

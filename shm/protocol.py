@@ -19,7 +19,8 @@ import msgpack
 # 4: steps may carry `grammars`.
 # 5: prompt logprobs: a `targets` column, ScoreOutputs, `n_scored` in a step's header.
 # 6: speculative decoding (`spec_len`, `drafted`/`accepted`, DraftOutputs). 7: LoRA: an `adapter` column, `l`.
-VERSION = 8  # 8: KV hand-over: a step's `import` and `export` entries through the `handover` segment
+# 8: KV hand-over: a step's `import` and `export` entries through the `handover` segment.
+VERSION = 9  # 9: or, without `handover`, through frames (one per slot: tcp agents)
 
 HANDSHAKE, FULL_STEP, DECODE_STEP, RESET, DETACH, HEARTBEAT = b"#", b"*", b"a", b"r", b"e", b"h"
 LOAD_ADAPTER = b"l"  # ours: a LoRA adapter into a slot, between steps
@@ -133,16 +134,18 @@ def _ints(v: Any) -> bool:
 
 def _check_handover(header: dict[str, Any]) -> None:
     """A step's KV hand-over: `export` [seq id, [blocks], [slots]] copied out of the cache after it
-    runs, `import` (the same) into it before; the slots are of the shared-memory segment `handover`.
-    And `histories` [seq id, [tokens]]: the tokens before a row admitted past position 0."""
+    runs, `import` (the same) into it before; the slots are of the shared-memory segment `handover`,
+    or (no `handover`) frames: import slot j is the command's j-th frame after the arena's, export
+    slot j the reply's. And `histories` [seq id, [tokens]]: the tokens before a row admitted past
+    position 0."""
     for key, width in (("export", 3), ("import", 3), ("histories", 2)):
         entries = header.get(key, [])
         if not isinstance(entries, list) or not all(
                 isinstance(e, list) and len(e) == width and isinstance(e[0], int) and all(map(_ints, e[1:]))
                 for e in entries):
             raise ProtocolError(f"{key} must list [sequence id, " + ("[tokens]]" if width == 2 else "[blocks], [slots]]"))
-    if (header.get("export") or header.get("import")) and not isinstance(header.get("handover"), str):
-        raise ProtocolError("a step with hand-over entries names its `handover` segment")
+    if not isinstance(header.get("handover", ""), str):
+        raise ProtocolError("`handover` must name a shared-memory segment")
 
 
 def encode_reply(ok: bool, body: dict[str, Any] | None = None, frames: list[bytes] | None = None) -> list[bytes]:

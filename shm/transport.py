@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -189,13 +189,14 @@ class AgentClient:
         return self.info
 
     def send_step(self, dims: StepDims, free: list[int], has_prefill: bool, slot: int = 0, tag: Any = None,
-                  grammars: list[list[Any]] | None = None, extra: dict[str, Any] | None = None) -> None:
+                  grammars: list[list[Any]] | None = None, extra: dict[str, Any] | None = None,
+                  kv_frames: list[Any] | None = None) -> None:
         """Inputs must already be in `self.arenas[slot]`; outputs land there when `poll_step` returns
         this step's reply. `has_prefill`: some row carries tokens (`*`), else every row is fed (`a`).
         One step per slot may be in flight; `tag` (not None) is kept with it until its reply (`steps()`);
         `grammars`: the constrained sequences this step (re)admits; `extra`: more header fields (its KV
-        hand-over entries: shm/protocol.py)."""
-        frames = None if self.local else self.arenas[slot].input_frames(dims)
+        hand-over entries: shm/protocol.py); `kv_frames`: the hand-over slots it imports, without a segment."""
+        frames = ([] if self.local else self.arenas[slot].input_frames(dims)) + (kv_frames or [])
         header = {"n_tokens": dims.n_tokens, "n_rows": dims.n_rows, "width": dims.width, "slot": slot, "free": free,
                   "n_scored": dims.n_scored, "n_drafts": dims.n_drafts}
         if grammars:
@@ -204,15 +205,17 @@ class AgentClient:
         self.send(P.FULL_STEP if has_prefill else P.DECODE_STEP, header, frames, dims, slot, tag)
 
     def poll_step(self, timeout_s: float) -> StepReply | None:
-        """The reply to the oldest step in flight (its outputs are then in its slot), or None."""
+        """The reply to the oldest step in flight (its outputs are then in its slot, the slots it
+        exported without a segment in `kv_frames`), or None."""
         head = self._pending[0]
         reply = self.poll(timeout_s)
         if reply is None:
             return None
         body, frames = reply
-        if not self.local and self.owns_segment:  # a group's rank > 0 leaves its lead's outputs alone
-            self.arenas[head.slot].load_outputs(head.dims, frames)
-        return StepReply.from_wire(body)
+        n = 0 if self.local else self.arenas[head.slot].n_output_frames
+        if n and self.owns_segment:  # a group's rank > 0 leaves its lead's outputs alone
+            self.arenas[head.slot].load_outputs(head.dims, frames[:n])
+        return replace(StepReply.from_wire(body), kv_frames=frames[n:])
 
     def send_heartbeat(self) -> None:
         self.send(P.HEARTBEAT)
@@ -244,10 +247,12 @@ class AgentClient:
             self.segment.close()
 
 
-def load_step_frames(arena: Arena, msg: P.Message) -> None:
-    """Agent side, tcp: copy the step's tensor frames into the private arena's slot."""
-    h = msg.header
-    arena.load_inputs(step_header_dims(h), msg.frames)
+def load_step_frames(arena: Arena, msg: P.Message) -> list[bytes]:
+    """Agent side, tcp: copy the step's tensor frames into the private arena's slot; returns the
+    frames after them (its KV hand-over's)."""
+    n = arena.n_input_frames
+    arena.load_inputs(step_header_dims(msg.header), msg.frames[:n])
+    return msg.frames[n:]
 
 
 def step_header_dims(h: dict[str, Any]) -> StepDims:

@@ -221,13 +221,12 @@ class Engine:
 
 
 def _why_kv_cannot_move(cfg: ServingConfig, clients: list[AgentLink]) -> str | None:
-    """None where sequences can move between these agents with their KV (a hand-over segment), else why not."""
+    """None where sequences can move between these agents with their KV (shared memory on this host,
+    frames over tcp), else why not."""
     if len(clients) < 2:
         return "one agent: there is no other to move its sequences to"
     if cfg.tensor_parallel_size > 1:
         return "tensor-parallel agents: a sequence's KV is split over a group's ranks"
-    if not all(c.local for c in clients):
-        return "agents on other hosts: the KV hand-over is a shared-memory segment on the server's host"
     sizes = sorted({block_bytes(c) for c in clients})
     if len(sizes) > 1:
         return (f"the agents' KV blocks differ in bytes ({sizes}): start every agent from the same YAML "

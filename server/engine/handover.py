@@ -47,20 +47,43 @@ class Handover:
     def close(self) -> None:
         self.segment.close()
 
-    def entries(self, plan: StepPlan) -> dict[str, Any]:
-        """A step's hand-over header fields (shm/protocol.py), none when it moves nothing."""
+    @staticmethod
+    def _moving(plan: StepPlan) -> tuple[list[Any], list[Any]]:
+        """The sequences a step exports and those it imports, in the order its entries list them."""
+        exports = plan.moves + [p.seq for p in plan.rows if p.export]
+        return exports, [p.seq for p in plan.rows if p.imported and not p.export]
+
+    def entries(self, plan: StepPlan, local: bool) -> tuple[dict[str, Any], list[memoryview]]:
+        """A step's hand-over header fields (shm/protocol.py), none when it moves nothing, and its
+        frames: a `local` agent's slots are the segment's; another's are the step's frames, in order."""
         out: dict[str, Any] = {}
-        for seq in plan.moves:
-            out.setdefault("export", []).append([seq.seq_id, seq.table[:len(seq.handover)], list(seq.handover)])
-        for p in plan.rows:
-            seq = p.seq
-            if p.export:
-                out.setdefault("export", []).append([seq.seq_id, seq.table[:len(seq.handover)], list(seq.handover)])
-            elif p.imported:
-                out.setdefault("import", []).append([seq.seq_id, seq.table[:len(seq.handover)], list(seq.handover)])
-        if out:
+        frames: list[memoryview] = []
+        position = 0
+        for key, seqs in zip(("export", "import"), self._moving(plan)):
+            for seq in seqs:
+                if local:
+                    slots = list(seq.handover)
+                else:
+                    slots = list(range(position, position + len(seq.handover)))
+                    position += len(seq.handover)
+                out.setdefault(key, []).append([seq.seq_id, seq.table[:len(seq.handover)], slots])
+            position = 0
+            if not local and key == "import":
+                frames = [self._slot(s) for seq in seqs for s in seq.handover]
+        if out and local:
             out["handover"] = self.segment.name
-        return out
+        return out, frames
+
+    def _slot(self, s: int) -> memoryview:
+        return self.segment.buf[s * self.slot_bytes:(s + 1) * self.slot_bytes]
+
+    def received(self, plan: StepPlan, frames: list[bytes]) -> None:
+        """A step's exported slots that came back as frames (an agent without the segment), into the segment."""
+        slots = [s for seq in self._moving(plan)[0] for s in seq.handover]
+        if frames and len(frames) != len(slots):
+            raise HandoverError(f"a step exported {len(slots)} slots and its reply carries {len(frames)} frames")
+        for s, frame in zip(slots, frames):
+            self._slot(s)[:] = frame
 
     def replied(self, lane: AgentLane, plan: StepPlan, lanes: list[AgentLane], now: float,
                 requests: Requests) -> list[Any]:

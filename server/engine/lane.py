@@ -130,10 +130,11 @@ class AgentLane:
     def in_flight(self, seq: Sequence) -> bool:
         return any(p.seq is seq for step in self.inflight for p in step.plan.rows)
 
-    def send_plan(self, plan: StepPlan, planned_at: float, extra: dict[str, Any] | None = None) -> None:
+    def send_plan(self, plan: StepPlan, planned_at: float, extra: dict[str, Any] | None = None,
+                  kv_frames: list[Any] | None = None) -> None:
         """Write the step into a free arena slot and send it (raises AgentDead). Fed rows carry a
         placeholder token: the agent takes its own last sample (their real token may not be back yet).
-        `extra`: header fields (its KV hand-over entries)."""
+        `extra`: header fields (its KV hand-over entries), `kv_frames` the slots it imports as frames."""
         rows = [RowInput(p.seq.seq_id, np.zeros(p.n_tokens, np.int32) if p.feed else
                          np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
                          p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
@@ -151,7 +152,7 @@ class AgentLane:
         if histories:
             extra = {**(extra or {}), "histories": histories}
         self.client.send_step(dims, free=plan.freed, has_prefill=plan.has_prefill, slot=slot, tag=step,
-                              grammars=grammars, extra=extra)
+                              grammars=grammars, extra=extra, kv_frames=kv_frames)
         self.sent_at = step.sent_at = time.monotonic()
         step.prepare_s = self.sent_at - planned_at
 

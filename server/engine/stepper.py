@@ -7,7 +7,7 @@ import logging
 import time
 
 from common.config import ServingConfig
-from server.engine.handover import Handover
+from server.engine.handover import Handover, HandoverError
 from server.engine.lane import AgentLane, InFlight
 from server.engine.metrics import Metrics
 from server.engine.output import OutputProcessor
@@ -50,7 +50,8 @@ class Stepper:
             self.metrics.prefill_tokens.inc(plan.prefill_tokens)
             for p in plan.rows:
                 self.requests.scheduled(p.seq.request, now)
-            lane.send_plan(plan, planned_at, self.handover.entries(plan) if self.handover else None)
+            extra, frames = self.handover.entries(plan, lane.client.local) if self.handover else (None, None)
+            lane.send_plan(plan, planned_at, extra, frames)
             for p in plan.rows:
                 if p.seq.request.inference_begin_at is None:
                     p.seq.request.inference_begin_at = lane.sent_at
@@ -83,6 +84,12 @@ class Stepper:
                 self.supervisor.lane_down(lane, f"no reply for {self.cfg.step_timeout_s:.0f}s (stuck)")
             return
         lane.backoff.reset()
+        if self.handover is not None:
+            try:
+                self.handover.received(head.plan, body.kv_frames)
+            except HandoverError as exc:  # its exported KV is not what it was asked for
+                self.supervisor.lane_down(lane, f"agent broke the hand-over: {exc}")
+                return
         self._step_done(lane, head, body, now)
 
     def _emitted(self, rows: list[Planned], outputs: StepOutputs, drafts: DraftOutputs) -> list[list[RowOutput]]:

@@ -47,7 +47,7 @@ STEP = {"v": V, "n_tokens": 1, "n_rows": 1, "width": 1, "n_scored": 0, "n_drafts
     ([b"a" + msgpack.packb({k: v for k, v in STEP.items() if k != "slot"})], "slot"),
     ([b"a" + msgpack.packb({**STEP, "free": [True]})], "free"),
     ([b"*" + msgpack.packb({k: v for k, v in STEP.items() if k != "n_scored"})], "n_scored"),
-    ([b"*" + msgpack.packb({**STEP, "export": [[1, [2], [0]]]})], "handover"),
+    ([b"*" + msgpack.packb({**STEP, "handover": 5, "export": [[1, [2], [0]]]})], "handover"),
     ([b"*" + msgpack.packb({**STEP, "handover": "h", "import": [[1, [2]]]})], "import must list"),
     ([b"*" + msgpack.packb({**STEP, "handover": "h", "export": [[1, [2], ["0"]]]})], "export must list"),
     ([b"*" + msgpack.packb({**STEP, "histories": [[1, 2]]})], "histories must list"),
@@ -302,21 +302,47 @@ def test_step_payload_fuzz_is_answered_and_the_agent_keeps_serving(attached, row
     assert _decode_step(client, cfg) is not None
 
 
-def test_a_hand_over_outside_the_pool_or_segment_is_refused_before_the_step_runs(attached):
+def _step_moving(client, cfg, seq: int, table: list[int], extra: dict, kv_frames: list | None = None):
+    rows = [RowInput(seq, np.asarray([5, 6, 7], np.int32), 0, table, True, SamplingParams(), 3, 0)]
+    client.send_step(client.arenas[0].write_step(rows, cfg.block_size), free=[], has_prefill=True, extra=extra,
+                     kv_frames=kv_frames)
+    return client.poll_step(30)
+
+
+def test_a_hand_over_outside_the_pool_segment_or_frames_is_refused_before_the_step_runs(attached):
     cfg, client = attached
-    seg = Segment(segment_name("test-handover"), 4 * 4096, create=True)  # a few slots of the tiny model's blocks
+    slot = client.info.kv_cache_bytes // client.info.geometry["num_blocks"]
+    seg = Segment(segment_name("test-handover"), 4 * slot, create=True)
     try:
-        rows = [RowInput(1, np.asarray([5, 6, 7], np.int32), 0, [1], True, SamplingParams(), 3, 0)]
-        h = seg.name
-        for extra in ({"handover": h, "export": [[1, [cfg.num_blocks], [0]]]},  # past the pool
-                      {"handover": h, "import": [[1, [0], [0]]]},  # block 0 is the padding's
-                      {"handover": h, "export": [[1, [1], [10**6]]]},  # past the segment
-                      {"handover": h, "import": [[1, [1, 2], [0]]]},  # one slot for two blocks
-                      {"handover": "llmserving-no-such-segment", "export": [[1, [1], [0]]]}):
-            client.send_step(client.arenas[0].write_step(rows, cfg.block_size), free=[], has_prefill=True, extra=extra)
+        h, frame = seg.name, bytes(slot)
+        for extra, frames in (({"handover": h, "export": [[1, [cfg.num_blocks], [0]]]}, None),  # past the pool
+                              ({"handover": h, "import": [[1, [0], [0]]]}, None),  # block 0 is the padding's
+                              ({"handover": h, "export": [[1, [1], [10**6]]]}, None),  # past the segment
+                              ({"handover": h, "import": [[1, [1, 2], [0]]]}, None),  # one slot for two blocks
+                              ({"handover": "llmserving-no-such-segment", "export": [[1, [1], [0]]]}, None),
+                              ({"import": [[1, [1], [0]]]}, [b"xy"]),  # a frame that is not a slot
+                              ({"import": [[1, [1], [1]]]}, [frame]),  # past the frames
+                              ({"export": [[1, [1], [1]]]}, None),  # past the slots its reply carries
+                              ({}, [frame]),  # frames and no hand-over
+                              ({"handover": h, "import": [[1, [1], [0]]]}, [frame])):  # a segment and frames
             with pytest.raises(AgentError) as exc:
-                client.poll_step(30)
-            assert exc.value.code == P.E_BAD_STEP, exc.value
+                _step_moving(client, cfg, 1, [1], extra, frames)
+            assert exc.value.code == P.E_BAD_STEP, (extra, exc.value)
         assert _decode_step(client, cfg) is not None
+    finally:
+        seg.close()
+
+
+def test_blocks_move_as_frames_as_they_do_through_a_segment(attached):
+    """A tcp agent's hand-over: the same bytes in a reply's frames as in the segment, and frames
+    imported into a block export again unchanged."""
+    cfg, client = attached
+    seg = Segment(segment_name("test-handover"), 2 * (client.info.kv_cache_bytes // cfg.num_blocks), create=True)
+    try:
+        [frame] = _step_moving(client, cfg, 1, [1], {"export": [[1, [1], [0]]]}).kv_frames
+        assert _step_moving(client, cfg, 1, [1], {"handover": seg.name, "export": [[1, [1], [0]]]}).kv_frames == []
+        assert bytes(seg.buf[:len(frame)]) == frame and any(frame)
+        moved = _step_moving(client, cfg, 2, [3], {"import": [[2, [2], [0]]], "export": [[2, [2], [0]]]}, [frame])
+        assert moved.kv_frames == [frame]
     finally:
         seg.close()

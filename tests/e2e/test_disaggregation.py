@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation through real processes (serving_config.agent_roles): a prefill agent
 runs the prompts, hands each one's KV over shared memory to a decode agent, and every text equals
-what one agent serving both gives, with a slow hand-over, and with either agent killed mid-run."""
+what one agent serving both gives, with a slow hand-over, and with either agent killed mid-run. A
+drain moves running sequences between tcp agents (their KV as frames)."""
 from __future__ import annotations
 
 import os
@@ -64,8 +65,8 @@ def _all_at_once(url: str) -> dict[str, Answer]:
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory, tiny_model_dir):
-    """Two agents doing both (data parallel)."""
-    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("dp"), tiny_model_dir, 2, **SIZES))
+    """Two agents doing both (data parallel), on tcp: what a drain moves goes as frames."""
+    srv = ServerProcess(tiny_config(tmp_path_factory.mktemp("dp"), tiny_model_dir, 2, agent_ip="127.0.0.2", **SIZES))
     yield srv
     srv.stop()
 

@@ -175,7 +175,8 @@ def test_agent_roles_from_yaml_and_the_command_line_and_their_refusals(tmp_path)
                             ({**two, "agent_roles": ["prefill", "prefill"]}, "no agent decodes"),
                             ({**two, "agent_roles": ["decode", "decode"]}, "no agent takes prompts"),
                             ({**two, "agent_roles": ["prefill", "fast"]}, "each one of both, prefill, decode"),
-                            ({**two, "agent_roles": ["prefill", "decode"], "tensor_parallel_size": 2}, "single ranks"),
-                            ({**two, "agent_roles": ["prefill", "decode"], "agent_ip": "10.0.0.2"}, "shared-memory")):
+                            ({**two, "agent_roles": ["prefill", "decode"], "tensor_parallel_size": 2}, "single ranks")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(path, **overrides)
+    remote = load_config(path, **two, agent_roles=["prefill", "decode"], agent_ip="10.0.0.2")  # hand-over over tcp
+    assert remote.disaggregated
