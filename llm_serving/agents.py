@@ -109,9 +109,9 @@ def start_agents(cfg: ServingConfig, config_path: str | None, overrides: dict[st
         if is_local(cfg.bind_host(i)):
             socket_path(port)  # a runtime folder too long for a unix socket: refused before any agent starts
             clean_stale_endpoints()
-            pid = holder(port)
-            if pid is not None:
-                raise AgentStartError(str(PortInUse(port, pid)))
+        pid = holder(port)  # a tcp agent's too: a ping would reach the holder and call ours ready
+        if pid is not None:
+            raise AgentStartError(str(PortInUse(port, pid)))
     procs = [p for group in cfg.groups for p in spawn_group(cfg, config_path, overrides, group)]
     try:
         for i, proc in enumerate(procs):

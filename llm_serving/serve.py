@@ -132,14 +132,15 @@ def parser() -> argparse.ArgumentParser:
 def configure(args: argparse.Namespace, overrides: dict[str, Any]) -> ServingConfig:
     """The YAML with the command line's overrides and the agents' addresses (--agents, else a
     LeaderWorkerSet's LWS_* variables): agents started elsewhere are attached to."""
-    cfg = load_config(args.config, **overrides)
-    agents = parse_agents(args.agents) if args.agents else lws_agents(dict(os.environ), cfg.agent_ports[0])
+    agents = parse_agents(args.agents) if args.agents else None
+    if agents is None:  # the YAML's first port, before roles that may be one per LWS worker
+        yaml_port = load_config(args.config, **{k: v for k, v in overrides.items() if k != "agent_roles"}).agent_ports[0]
+        agents = lws_agents(dict(os.environ), yaml_port)
     if agents:
         overrides.update(agent_hosts=[h for h, _ in agents], agent_ports=[p for _, p in agents])
-        cfg = load_config(args.config, **overrides)
         args.attach = True
         log.info("agents: %s", ", ".join(f"{h}:{p}" for h, p in agents))
-    return cfg
+    return load_config(args.config, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,6 +167,27 @@ def test_a_tokenizer_larger_than_the_model_is_refused(deployment, tmp_path):
     assert r.returncode == 1 and "the tokenizer has 300 ids, the model 272" in r.stderr
 
 
+def test_a_tcp_agent_port_held_on_this_host_is_refused_before_loading(tmp_path, tiny_model_dir):
+    """A launcher whose tcp agent's port another agent of this host holds: one line, exit 1 (its
+    ping would otherwise reach the holder and call its own agent ready)."""
+    from shm.endpoint import PortLock
+
+    env = {**os.environ, "LLM_SERVING_RUNTIME_DIR": str(tmp_path)}
+    port = free_port()
+    os.environ["LLM_SERVING_RUNTIME_DIR"] = str(tmp_path)
+    try:
+        lock = PortLock(port)
+    finally:
+        del os.environ["LLM_SERVING_RUNTIME_DIR"]
+    try:
+        config = tiny_config(tmp_path, tiny_model_dir, agent_ip="127.0.0.2", agent_ports=[port])
+        r = _run("-m", "llm_serving.launch", "--config", str(config), "--insecure", env=env)
+        assert r.returncode == 1 and f"port {port} in use by pid {os.getpid()}" in r.stderr, r.stderr
+        assert "agent0" not in r.stderr  # the launcher's own line: no agent process was started
+    finally:
+        lock.release()
+
+
 def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
     config, launcher, env, _ = deployment
     r = _run("-m", "llm_serving.launch", "--config", str(config), env=env)

@@ -61,7 +61,7 @@ def _serving_config(docs: list[dict], tmp_path: Path) -> Any:
     return load_config(path)
 
 
-@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd"])
+@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd", "pd-pods"])
 def test_manifests_pass_the_kubernetes_schemas(layout):
     docs = render(DEPLOY / layout)
     assert {"ConfigMap", "Secret", "Deployment", "Service"} <= {d["kind"] for d in docs}
@@ -76,7 +76,7 @@ def _app_paths() -> set[str]:
     return set(build_app(None, ServingConfig(), None).openapi()["paths"])  # the routes only: nothing runs
 
 
-@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd"])
+@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd", "pd-pods"])
 def test_probes_ports_and_mounts_exist_in_the_app_and_config(layout, tmp_path):
     docs = render(DEPLOY / layout)
     cfg = _serving_config(docs, tmp_path)
@@ -102,9 +102,10 @@ def test_probes_ports_and_mounts_exist_in_the_app_and_config(layout, tmp_path):
             if "agent" in ports:
                 assert ports["agent"] == cfg.agent_ports[0] and "--bind" in c["command"]
             if "--agents" in c["command"]:
-                host, port = c["command"][c["command"].index("--agents") + 1].split(":")
-                assert any(s["metadata"]["name"] == host and s["spec"]["ports"][0]["port"] == int(port)
-                           for s in services)
+                for agent in c["command"][c["command"].index("--agents") + 1].split(","):
+                    host, port = agent.split(":")
+                    assert any(s["metadata"]["name"] == host and s["spec"]["ports"][0]["port"] == int(port)
+                               for s in services)
         if len(pod["spec"]["containers"]) == 2:  # agents + server in one pod: what they share
             assert pod["spec"]["shareProcessNamespace"] is True  # each checks the other's pid
             for c in pod["spec"]["containers"]:
@@ -128,6 +129,22 @@ def test_the_pd_layout_runs_a_prefill_and_a_decode_agent_in_one_pod(tmp_path):
     containers = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
     assert set(containers) == {"agents", "server"} and containers["agents"]["resources"]["limits"]["memory"] == "6Gi"
     assert containers["server"]["startupProbe"]["httpGet"]["path"] == "/health"  # the base's, kept by the merge
+
+
+def test_the_pd_pods_layout_attaches_a_prefill_pod_and_a_decode_pod(tmp_path):
+    from common.config_values import as_roles
+    from llm_serving.serve import configure, parser
+
+    docs = render(DEPLOY / "pd-pods")
+    [server] = [d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "llm-serving-server"]
+    [c] = server["spec"]["template"]["spec"]["containers"]
+    _serving_config(docs, tmp_path)
+    args = [str(tmp_path / "serving.yaml") if a == "/etc/llm-serving/serving.yaml" else a for a in c["command"][1:]]
+    parsed = parser().parse_args(args)
+    cfg = configure(parsed, {"agent_roles": as_roles(parsed.agent_roles)})
+    assert [(cfg.agent_host(i), cfg.role(i)) for i in range(2)] == [("llm-serving-agents", "prefill"),
+                                                                    ("llm-serving-decode", "decode")]
+    assert {d["metadata"]["name"] for d in _by_kind(docs, "Service")} >= {"llm-serving-agents", "llm-serving-decode"}
 
 
 def test_the_image_is_the_readmes_set_up():

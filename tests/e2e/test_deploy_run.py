@@ -3,10 +3,12 @@ environment its manifest gives it (ConfigMap keys, Secret items, emptyDirs, env 
 secretKeyRefs), laid out under a temporary root, and one request goes end to end through the
 layout: `base` (launch_agents and llm-serving --attach in one pod), `remote-agents` (an agents pod
 and a server pod over tcp + CURVE, keys made and split into Secrets as the kustomization says) and
-`pd` (a prefill and a decode agent in one pod, KV handed over its /dev/shm).
+`pd-pods` (a prefill pod and a decode pod, KV handed over tcp; `pd`, both in one pod, shares its
+launch with `base` and its hand-over with tests/e2e/test_disaggregation.py).
 
 What a test machine must change is changed in the ConfigMap and nowhere else: the tiny model and
-small buckets instead of SmolLM2's, free ports, and the Service's name resolving to 127.0.0.2."""
+small buckets instead of SmolLM2's, free ports, and each pod's address (127.0.0.2, .3, ...: where
+`--bind 0.0.0.0` listens and its Service's name resolves)."""
 from __future__ import annotations
 
 import os
@@ -31,8 +33,7 @@ def _configmap(doc: dict, model_dir: Path, root: Path, agent_port: int, http_por
     serving = yaml.safe_load(doc["data"]["serving.yaml"])
     serving["model_config"].update(model_path=str(model_dir), model_name="tiny", seq_length=[16, 32],
                                    decode_batch_size=[1, 4], prefill_batch_size=[2], end_token=[257])
-    more = [free_port() for _ in serving["serving_config"]["agent_ports"][1:]]  # deploy/pd's second agent
-    serving["serving_config"].update(agent_ports=[agent_port, *more], server_port=http_port,
+    serving["serving_config"].update(agent_ports=[agent_port], server_port=http_port,
                                      compile_cache_dir=str(root / "cache" / "mindspore"))
     serving["pa_config"].update(num_blocks=64, block_size=4, decode_seq_length=128)
     return {"serving.yaml": yaml.safe_dump(serving)}
@@ -92,13 +93,15 @@ class Pod:
         mounts = [m["mountPath"] for m in c["volumeMounts"]]
         for m in c["volumeMounts"]:
             self.mount(m)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.root / "tmp")}  # the pod's own /tmp
         for e in c.get("env", []):
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             env[e["name"]] = self.secrets[ref["name"]][ref["key"]].decode() if ref else self.rewrite(e["value"], mounts)
         exe, *args = c["command"]
         argv = [str(Path(sys.executable).parent / Path(exe).name)]  # .venv/bin/X: the image's venv is ours
-        argv += [hosts.get(a) or self.rewrite(a, mounts) for a in args]
+        argv += [",".join(hosts.get(h, h) for h in a.split(",")) if a.count(":") else hosts.get(a) or self.rewrite(a, mounts)
+                 for a in args]
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -109,18 +112,21 @@ def _run_layout(layout: str, tmp: Path, model_dir: Path) -> None:
     [cm] = [d for d in docs if d["kind"] == "ConfigMap"]
     configmaps = {cm["metadata"]["name"]: _configmap(cm, model_dir, tmp, agent_port, http_port)}
     secrets = _secrets(tmp)
-    # a Service's name:port as the server dials it: a loopback address that is not "local" to us
-    # (127.0.0.2: tcp + CURVE, as across pods), on the agents' test port
-    hosts = {f"{s['metadata']['name']}:{p['port']}": f"127.0.0.2:{agent_port}" for s in docs if s["kind"] == "Service"
-             for p in s["spec"]["ports"] if p["name"] == "agent"}
+    # Each pod's own address: a loopback one that is not "local" to us (tcp + CURVE, as across pods),
+    # where `--bind 0.0.0.0` listens; a Service's name:port is its pod's address on the agents' test port.
+    deps = [d for d in docs if d["kind"] == "Deployment"]
+    ips = {d["metadata"]["name"]: f"127.0.0.{2 + k}" for k, d in enumerate(deps)}
+    hosts = {f"{s['metadata']['name']}:{p['port']}": f"{ips[d['metadata']['name']]}:{agent_port}"
+             for s in docs if s["kind"] == "Service" for p in s["spec"]["ports"] if p["name"] == "agent"
+             for d in deps if s["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()}
     procs: list[tuple[subprocess.Popen, Path]] = []
     server_log = tmp / "no-server.log"
     try:
-        for dep in (d for d in docs if d["kind"] == "Deployment"):
+        for dep in deps:
             pod = Pod(dep, tmp / dep["metadata"]["name"], configmaps, secrets)
             for c in pod.spec["containers"]:
                 log = tmp / f"{dep['metadata']['name']}-{c['name']}.log"
-                procs.append((pod.start(c, hosts, log), log))
+                procs.append((pod.start(c, {**hosts, "0.0.0.0": ips[dep["metadata"]["name"]]}, log), log))
                 server_log = log if c["command"][0].endswith("/llm-serving") else server_log
         deadline = time.monotonic() + READY_S
         while "llm-serving ready" not in server_log.read_text():
@@ -144,7 +150,7 @@ def _run_layout(layout: str, tmp: Path, model_dir: Path) -> None:
                     p.wait(10)
 
 
-@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd"])
+@pytest.mark.parametrize("layout", ["base", "remote-agents", "pd-pods"])
 def test_each_container_starts_with_its_manifests_files_and_serves(layout, tiny_model_dir):
     import shutil
     import tempfile
