@@ -25,7 +25,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 EXTRAS = {"penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.5},  # the decode agent needs the prompt
           "grammar": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
                       "ignore_eos": False},
-          "logprobs": {"logprobs": 2}}
+          "logprobs": {"logprobs": 2},
+          "n": {"n": 3, "temperature": 0.8, "seed": 7}}  # three samples of one prompt, each its own hand-over
 
 
 @dataclass
@@ -45,8 +46,9 @@ def _complete(url: str, prompt: str, **extra) -> Answer:
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     if r.status_code != 200:
         return Answer(f"HTTP {r.status_code}: {r.text}", [])
-    choice = r.json()["choices"][0]
-    return Answer(choice["text"], choice["logprobs"]["top_logprobs"] if choice.get("logprobs") else [])
+    choices = r.json()["choices"]
+    return Answer(" | ".join(c["text"] for c in choices),
+                  choices[0]["logprobs"]["top_logprobs"] if choices[0].get("logprobs") else [])
 
 
 def _all_at_once(url: str) -> dict[str, Answer]:
