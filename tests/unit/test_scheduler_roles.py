@@ -75,3 +75,24 @@ def test_a_decode_agent_gives_back_what_it_preempted():
     d.update(d.schedule(), results([8]))
     d._preempt(seq)
     assert d.evicted() == [seq] and d.waiting == [] and seq.seq_id in d.freed and seq.computed == 0
+
+
+def test_agents_whose_kv_cannot_move_are_named_why():
+    """The engine's check before it makes a hand-over segment: one agent, tensor-parallel ranks, or
+    blocks of other sizes (agents started with other dtypes) are refused in words; tcp agents are not."""
+    from types import SimpleNamespace
+
+    from server.engine.engine import _why_kv_cannot_move
+    from shm.messages import AgentInfo
+
+    def agent(kv_bytes: int, local: bool = True) -> SimpleNamespace:
+        geometry = {"block_size": 4, "num_blocks": 8, "max_model_len": 32}
+        return SimpleNamespace(local=local, info=AgentInfo(272, [2], geometry, {}, kv_cache_bytes=kv_bytes))
+
+    cfg = _cfg()
+    assert _why_kv_cannot_move(cfg, [agent(8 << 10), agent(8 << 10, local=False)]) is None
+    assert "one agent" in _why_kv_cannot_move(cfg, [agent(8 << 10)])
+    assert "blocks differ in bytes ([256, 1024])" in _why_kv_cannot_move(cfg, [agent(8 << 10), agent(2 << 10)])
+    tp = ServingConfig(num_blocks=9, block_size=4, max_model_len=32, prefill_buckets=[8], decode_buckets=[1, 4],
+                       max_prefill_rows=2, agent_ports=[1, 2], tensor_parallel_size=2).validate()
+    assert "tensor-parallel" in _why_kv_cannot_move(tp, [agent(8 << 10), agent(8 << 10)])
