@@ -221,6 +221,9 @@ def _bound_router(address: str, curve: KeyFolder | None) -> tuple[zmq.Socket, An
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A server's client reconnecting (same routing id) before its old connection's end reached us:
+    # the new one takes over (ZeroMQ would otherwise drop its messages, and its handshake would hang).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     auth = curve.serve(ctx, sock) if curve is not None and address.startswith("tcp://") else None
     old = os.umask(0o077)  # an ipc socket file owner-only (0600): no other uid may connect and send `r`
     try:

@@ -114,6 +114,12 @@ def pytest_configure(config: pytest.Config) -> None:
     cache, which data-parallel agents share the same way."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[GRAPH_CACHE_ENV] = tempfile.mkdtemp(prefix="llm-serving-graphs-")
+        # The native kernels built once, before the workers start: on a clean checkout each worker's
+        # first model and every agent it started at once built them side by side (35 s of CPU each
+        # on Zen 3), and the first tests ran 50-80 s.
+        from agent.kernels import library
+
+        library()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

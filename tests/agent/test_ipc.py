@@ -117,13 +117,24 @@ def test_port_lock_names_its_holder_and_stale_files_are_cleaned(tmp_path, monkey
     assert clean_stale_endpoints() == [5001, 5002] and list(tmp_path.iterdir()) == []
 
 
-@pytest.fixture()
-def agent(tmp_path, tiny_model_dir):
+def _started(tmp_path, tiny_model_dir):
     path = tiny_config(tmp_path, tiny_model_dir)
     cfg = load_config(path)
     procs = start_agents(cfg, str(path), {})
     yield cfg, procs
     stop_agents(procs)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, tiny_model_dir):
+    """One agent for the tests that leave it serving (each checks it still does)."""
+    yield from _started(tmp_path_factory.mktemp("agent"), tiny_model_dir)
+
+
+@pytest.fixture()
+def own_agent(tmp_path, tiny_model_dir):
+    """An agent for a test that kills it."""
+    yield from _started(tmp_path, tiny_model_dir)
 
 
 def _decode_step(client, cfg):
@@ -175,8 +186,28 @@ def test_second_server_is_refused_while_first_is_attached(agent):
         first.close()
 
 
-def test_agent_sigkill_is_seen_before_any_timeout(agent):
-    cfg, procs = agent
+def test_a_client_reconnecting_with_its_routing_id_takes_the_connection_over(agent):
+    """A server's client that reconnects before the agent saw its old connection end (the old one
+    is still open here) is answered: ZeroMQ's ROUTER would drop it and its handshake would hang."""
+    cfg, _ = agent
+    [first] = connect_agents(cfg)
+    again = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        again.setsockopt(zmq.LINGER, 0)
+        again.setsockopt(zmq.ROUTING_ID, first.sock.getsockopt(zmq.ROUTING_ID))
+        again.connect(agent_address(cfg.agent_ports[0]))
+        for mid, cmd in enumerate((P.HEARTBEAT, P.DETACH), 1):
+            again.send_multipart(P.encode(cmd, {"id": mid}))
+            assert again.poll(30_000), f"no answer to {cmd!r} on the reconnect"
+            ok, body, _ = P.decode_reply(again.recv_multipart())
+            assert ok and body["id"] == mid
+    finally:
+        again.close(0)
+        first.close(detach=False)  # its connection went to `again`, which detached
+
+
+def test_agent_sigkill_is_seen_before_any_timeout(own_agent):
+    cfg, procs = own_agent
     [client] = connect_agents(cfg)
     try:
         _decode_step(client, cfg)
