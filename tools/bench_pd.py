@@ -1,9 +1,10 @@
 """Prefill/decode disaggregation in one run: one mixed workload (long prompts among short chats,
 Poisson arrivals) served by three layouts of this machine's first two cores,
 
-    pd   a prefill agent on core 0 and a decode agent on core 1 (serving_config.agent_roles)
-    dp   two agents doing both, one core each (data parallel)
-    one  one agent on both cores
+    pd      a prefill agent on core 0 and a decode agent on core 1 (serving_config.agent_roles)
+    pd-tcp  the same over tcp (agent_ip 127.0.0.2): KV hand-overs as step frames, as across hosts
+    dp      two agents doing both, one core each (data parallel)
+    one     one agent on both cores
 
     python -m tools.bench_pd --config configs/smollm2.yaml --requests 48 --rate 0.6
 
@@ -31,7 +32,9 @@ from tools.bench_serving import BenchRequest, random_dataset, run_benchmark, sum
 HANDOVER = {"handovers": "llm_serving_kv_handovers_total", "bytes": "llm_serving_kv_handover_bytes_total",
             "seconds": "llm_serving_kv_handover_seconds_sum", "copy": "llm_serving_kv_handover_copy_seconds_total",
             "prompt": "llm_serving_prompt_tokens_total"}
-LAYOUTS = {"pd": ([[0], [1]], ["prefill", "decode"]), "dp": ([[0], [1]], ["both", "both"]), "one": ([[0, 1]], ["both"])}
+LOCAL, TCP = "127.0.0.1", "127.0.0.2"  # a loopback address that is not "local": tcp, as to another host
+LAYOUTS = {"pd": ([[0], [1]], ["prefill", "decode"], LOCAL), "pd-tcp": ([[0], [1]], ["prefill", "decode"], TCP),
+           "dp": ([[0], [1]], ["both", "both"], LOCAL), "one": ([[0, 1]], ["both"], LOCAL)}
 
 
 def workload(n: int, long_share: float, seed: int) -> list[BenchRequest]:
@@ -45,12 +48,12 @@ def workload(n: int, long_share: float, seed: int) -> list[BenchRequest]:
 
 
 def layout_config(base: Path, name: str, out: Path) -> Path:
-    """The base YAML with this layout's agents: ports after the base's first, cores, roles."""
+    """The base YAML with this layout's agents: ports after the base's first, cores, roles, address."""
     doc = yaml.safe_load(base.read_text())
     sc = doc.setdefault("serving_config", {})
-    cores, roles = LAYOUTS[name]
+    cores, roles, ip = LAYOUTS[name]
     first = sc.get("agent_ports", [61166])[0]
-    sc.update(agent_ports=[first + i for i in range(len(roles))], agent_cores=cores, agent_roles=roles)
+    sc.update(agent_ports=[first + i for i in range(len(roles))], agent_cores=cores, agent_roles=roles, agent_ip=ip)
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -93,8 +96,8 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     for name, s in runs.items():
         print(f"| {name} | {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | {s['median_tpot_ms']:.1f} / "
               f"{s['p99_tpot_ms']:.1f} | {s['output_throughput']:.1f} | {s['goodput']:.3f} | {s['failed']} |")
-    if "pd" in runs and len(runs) > 1:
-        others = [s for n, s in runs.items() if n != "pd"]
+    others = [s for n, s in runs.items() if not n.startswith("pd")]
+    if "pd" in runs and others:
         pd = runs["pd"]
         best_tpot = min(s["p99_tpot_ms"] for s in others)
         best_good = max(s["goodput"] for s in others)
@@ -103,9 +106,9 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"\nPD vs the better other: TPOT p99 {pd['p99_tpot_ms'] / best_tpot:.2f}x, goodput "
               f"{pd['goodput'] / best_good if best_good else float('inf'):.2f}x, output tok/s "
               f"{pd['output_throughput'] / best_tok:.2f}x, TTFT p99 {pd['p99_ttft_ms'] / best_ttft:.2f}x")
-    if "pd" in runs:
-        pd, k = runs["pd"], runs["pd"]["prompt"] / 1000 or 1
-        print(f"Hand-overs: {pd['handovers']:.0f} of {pd['prompt']:.0f} prompt tokens; per 1k of them "
+    for name in [n for n in runs if n.startswith("pd")]:
+        pd, k = runs[name], runs[name]["prompt"] / 1000 or 1
+        print(f"{name} hand-overs: {pd['handovers']:.0f} of {pd['prompt']:.0f} prompt tokens; per 1k of them "
               f"{pd['bytes'] / 2**20 / k:.1f} MiB, {pd['copy'] * 1000 / k:.1f} ms of copies on the agents, "
               f"{pd['seconds'] * 1000 / pd['handovers'] if pd['handovers'] else 0:.0f} ms from the export's reply to "
               "the import's per hand-over (waiting for the decode agent's next step included)")
