@@ -85,7 +85,7 @@ def _agent_info(cfg: ServingConfig, files: ModelFiles, model_cfg: ModelConfig, r
                      tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack,
                      planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0,
                      speculative=runner.seqs.proposer.method if runner.seqs.proposer is not None else "",
-                     adapters=tuple(cfg.lora_modules))
+                     adapters=tuple(cfg.lora_modules)[:cfg.max_loras])
 
 
 def activation_estimate(model_cfg: ModelConfig, cfg: ServingConfig) -> int:

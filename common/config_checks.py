@@ -45,9 +45,6 @@ def check_together(c: ServingConfig) -> None:
     if c.spec_lookup_min > c.spec_lookup_max:
         raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
                           f"({c.spec_lookup_max})")
-    if len(c.lora_modules) > c.max_loras:
-        raise ConfigError(f"serving_config.lora_modules: {len(c.lora_modules)} adapters, more than max_loras "
-                          f"{c.max_loras} (every adapter is loaded at start: raise max_loras)")
     clash = sorted(set(c.lora_modules) & {c.model_name, *c.model_aliases})
     if clash:
         raise ConfigError(f"serving_config.lora_modules: {clash} also name the base model")

@@ -237,8 +237,10 @@ KEYS: list[Key] = [
     Key(S, "enable_lora", "enable_lora", as_bool,
         here="ours (vLLM's `--enable-lora`): LoRA slots on the agents with no adapter at start; "
              "`POST /v1/load_lora_adapter` fills them (on whenever `lora_modules` is set)"),
-    Key(S, "max_loras", "max_loras", as_int, lambda v: v >= 1, ">= 1 (and >= the lora_modules)",
-        here="adapter slots per agent: a static shape of every graph (each slot costs its columns in every step)"),
+    Key(S, "max_loras", "max_loras", as_int, lambda v: v >= 1, ">= 1",
+        here="adapter slots per agent: a static shape of every graph (each slot costs its columns in every step). "
+             "More adapters than slots are served: a request whose adapter is in no slot waits until the least "
+             "recently used one that no running request uses is swapped out for it, between steps"),
     Key(S, "max_lora_rank", "max_lora_rank", as_int, lambda v: 1 <= v <= 256, "in [1, 256]",
         here="the largest adapter rank served; a larger one is refused at load"),
     # ---------------------------------------------------------------- speculative_config (vLLM's names)

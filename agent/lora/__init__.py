@@ -12,11 +12,12 @@ __all__ = ["AdapterError", "lora_slots"]
 
 
 def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:
-    """serving_config.lora_modules in config order, slot i holding adapter i + 1; the other slots
-    empty (agent.model.lora.LoraSlots; None: no LoRA slots)."""
+    """serving_config.lora_modules in config order, the first max_loras in the slots (slot i holding
+    adapter i + 1), the others read and checked only (the server swaps them in when a request wants
+    one); the other slots empty (agent.model.lora.LoraSlots; None: no LoRA slots)."""
     from agent.model.lora import LoraSlots  # MindSpore: only once the agent is pinned (agent/main.py)
 
     if not cfg.lora_enabled:
         return None
     adapters = [read_adapter(name, path, model_cfg, cfg.max_lora_rank) for name, path in cfg.lora_modules.items()]
-    return LoraSlots(adapters, cfg.max_loras, cfg.max_lora_rank)
+    return LoraSlots(adapters[:cfg.max_loras], cfg.max_loras, cfg.max_lora_rank)

@@ -126,9 +126,10 @@ class Engine:
         return [lane.client.info.memory() for lane in self.lanes]
 
     def stats(self) -> dict[str, Any]:
-        """/stats: the lanes' (lanes_stats), with requests still in the inbox counted as waiting."""
+        """/stats: the lanes' (lanes_stats), with requests still in the inbox or waiting for their
+        LoRA adapter's slot counted as waiting."""
         s = lanes_stats(self.lanes)
-        return {**s, "waiting": s["waiting"] + self.inbox.qsize(), "steps": self.stepper.step_count,
+        return {**s, "waiting": s["waiting"] + self.inbox.qsize() + len(self.adapters.parked), "steps": self.stepper.step_count,
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
 
     # ------------------------------------------------------------ engine thread
@@ -145,8 +146,8 @@ class Engine:
                     while (not self.adapters.holds_steps and lane.can_send and lane.send_wait(now) <= 0
                            and self.stepper.launch(lane, now)):
                         pass
-                if self.adapters.pending:  # LoRA loads between steps
-                    self.adapters.apply(self.lanes, (r.params.adapter_key for r in self.requests.live.values()))
+                if self.adapters.pending or self.adapters.parked:  # LoRA loads and swaps between steps
+                    self._run_adapters()
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
                     wait = lane.send_wait(now) if lane.can_send else 0.0
@@ -166,7 +167,7 @@ class Engine:
     def _idle_wait(self, now: float) -> float:
         """How long the engine may sleep on its inbox: 0 while a live lane has work to launch or a
         command in flight; else until the next batch window closes, at most IDLE_WAIT_S."""
-        wait = IDLE_WAIT_S if not self.adapters.pending else 0.0
+        wait = IDLE_WAIT_S if not self.adapters.pending and not self.adapters.parked else 0.0
         for lane in self.lanes:
             if lane.busy:
                 return 0.0
@@ -205,10 +206,31 @@ class Engine:
             log.error("agent %d: LoRA adapters not loaded again after its restart (%s); restarting it", msg.index, exc)
             msg.client.kill()
 
+    def _run_adapters(self) -> None:
+        """Parked requests whose adapters are in slots go to the lanes; swaps for the others, and
+        run-time loads, once no step is in flight."""
+        for req in self.adapters.ready(self._placed_keys()):
+            self._assign(req)
+        self.adapters.apply(self.lanes, self._placed_keys())
+        for req in self.adapters.ready(self._placed_keys()):
+            self._assign(req)
+
+    def _placed_keys(self) -> list[int]:
+        """The adapter keys of the live requests that are not parked (their adapters stay in their slots)."""
+        parked = {id(r) for r in self.adapters.parked}
+        return [r.params.adapter_key for r in self.requests.live.values() if id(r) not in parked]
+
     def _add(self, req: Request) -> None:
         req.detok = IncrementalDetokenizer(self.tok, req.params.stop)
         req.seq = Sequence(req.prompt, req.params, req.arrival, request=req)
         self.requests.add(req)
+        if self.adapters.place(req):
+            self._assign(req)
+
+    def _assign(self, req: Request) -> None:
+        if req.params.lora is not None and req.params.lora.slot < 0:
+            self.requests.end(req, "error", f"The model `{req.params.lora.name}` was unloaded", 404)
+            return
         lanes = self.supervisor.open_lanes()
         if not lanes:
             self.requests.end(req, "error", f"no live agent: {self.supervisor.health(time.monotonic())[1]}", 503)

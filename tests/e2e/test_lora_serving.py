@@ -1,6 +1,6 @@
-"""LoRA adapters served over HTTP by real processes (serving_config.lora_modules): two random adapters of
-the tiny model beside the base, picked by OpenAI `model`, TGI `adapter_id` and the original API's
-`adapter`. Requests for the base and the adapters interleaved in the same steps each give the text the
+"""LoRA adapters served over HTTP by real processes (serving_config.lora_modules): three random adapters
+of the tiny model beside the base, in two slots (swapped in as requests want them), picked by OpenAI
+`model`, TGI `adapter_id` and the original API's `adapter`. Requests for the base and the adapters interleaved in the same steps each give the text the
 same request gives alone; a prompt whose blocks the base cached is computed afresh for an adapter (no KV
 shared across adapters); the names are listed with their parent; a name not served is a 404 naming it."""
 from __future__ import annotations
@@ -25,8 +25,10 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 def server(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("lora")
     adapters = {"ft-a": str(random_adapter(tmp / "a", TINY, rank=8, seed=1)),
-                "ft-b": str(random_adapter(tmp / "b", TINY, rank=16, modules=("q_proj", "v_proj", "down_proj"), seed=2))}
-    srv = ServerProcess(tiny_config(tmp, tiny_model_dir, lora_modules=adapters, max_loras=3))
+                "ft-b": str(random_adapter(tmp / "b", TINY, rank=16, modules=("q_proj", "v_proj", "down_proj"), seed=2)),
+                "ft-c": str(random_adapter(tmp / "c", TINY, rank=4, seed=3))}
+    # three adapters, two slots: the agents start with ft-a and ft-b, ft-c is swapped in when asked for
+    srv = ServerProcess(tiny_config(tmp, tiny_model_dir, lora_modules=adapters, max_loras=2))
     yield srv
     srv.stop()
 
@@ -42,23 +44,15 @@ def _openai(url: str, model: str, prompt: str = PROMPT, computed_in_full: bool =
 
 
 def test_each_adapter_gives_its_own_text_alone_and_interleaved(server):
-    names = ["tiny", "ft-a", "ft-b"]
+    names = ["tiny", "ft-a", "ft-b", "ft-c"]
     base = _openai(server.url, "tiny")  # caches the prompt's blocks for the base model
-    full = {n: _openai(server.url, n, computed_in_full=True) for n in ("ft-a", "ft-b")}
-    alone = {"tiny": base, **{n: _openai(server.url, n) for n in ("ft-a", "ft-b")}}
+    full = {n: _openai(server.url, n, computed_in_full=True) for n in names[1:]}
+    alone = {"tiny": base, **{n: _openai(server.url, n) for n in names[1:]}}
     assert alone == {"tiny": base, **full}  # an adapter's request never ran on the base's cached KV
-    assert len(set(alone.values())) == 3  # each adapter changes the model
+    assert len(set(alone.values())) == 4  # each adapter changes the model
 
-    order, out = names * 3, {}
-    threads = [threading.Thread(target=lambda i=i, n=n: out.__setitem__(i, _openai(server.url, n)))
-               for i, n in enumerate(order)]
-    with server.agents_paused():  # all nine admitted before a step ends: they share steps, however slow the machine
-        for t in threads:
-            t.start()
-        server.stats_until(lambda s: s["running"] + s["waiting"] == len(order))
-    for t in threads:
-        t.join(180)
-    assert [out[i] for i in range(len(order))] == [alone[n] for n in order]
+    order = names * 3  # all admitted before a step ends: they share steps (ft-c's wait for a slot), however slow the machine
+    assert _burst(server, order) == [alone[n] for n in order]
 
 
 def test_tgi_and_original_name_adapters_and_models_lists_them(server):
@@ -67,7 +61,8 @@ def test_tgi_and_original_name_adapters_and_models_lists_them(server):
         "adapter_id": "ft-b", "max_new_tokens": 12, "do_sample": False}}, timeout=120)
     assert r.status_code == 200 and r.json()["generated_text"] == want
     models = httpx.get(f"{server.url}/v1/models").json()["data"]
-    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("ft-a", "tiny"), ("ft-b", "tiny")]
+    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("ft-a", "tiny"), ("ft-b", "tiny"),
+                                                            ("ft-c", "tiny")]
     r = httpx.post(f"{server.url}/models/tiny/generate", json={"inputs": PROMPT, "parameters": {
         "adapter": "ft-b", "max_new_tokens": 12, "do_sample": False}}, timeout=120)
     assert r.status_code == 200 and r.json()["generated_text"] == want  # the original API's `adapter`
@@ -84,42 +79,63 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}{path}", json=body, timeout=120)
 
 
+def _burst(server, names: list[str]) -> list[str]:
+    """Greedy texts of requests for `names`, all admitted before a step ends."""
+    out: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i, n=n: out.__setitem__(i, _openai(server.url, n)))
+               for i, n in enumerate(names)]
+    with server.agents_paused():
+        for t in threads:
+            t.start()
+        server.stats_until(lambda s: s["running"] + s["waiting"] == len(names))
+    for t in threads:
+        t.join(180)
+    return [out[i] for i in range(len(names))]
+
+
 def test_adapters_loaded_and_unloaded_at_run_time_and_after_an_agent_restart(server):
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a folder loaded into the free slot
-    serves what the same folder loaded at start serves, and again after its agent is SIGKILLed and
-    restarted (the server loads it again); an unloaded name is a 404 while a request already running
-    on it finishes on its weights; a full table, a name served, a folder that is not an adapter are
-    400s naming why."""
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with more adapters than the agents'
+    max_loras 2 slots: a folder loaded at run time takes the least recently used slot and serves
+    what the same folder loaded at start serves, and again after its agent is SIGKILLed and restarted
+    (the server loads it again); requests for three adapters at once each give their text alone (the
+    adapters swapped in as slots free); a load while every slot's adapter runs, a name served, a
+    folder that is not an adapter are 400s naming why; an unloaded name is a 404 while a request
+    already running on it finishes on its weights."""
     url, folder_b = server.url, server.config["serving_config"]["lora_modules"]["ft-b"]
     want_b, want_a = _openai(url, "ft-b"), _openai(url, "ft-a")
     r = _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-b2", "lora_path": folder_b})
-    assert r.status_code == 200 and "ft-b2" in r.text
+    assert r.status_code == 200 and "ft-b2" in r.text  # into the slot used least recently
     assert _openai(url, "ft-b2") == want_b
     assert "ft-b2" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
-    for body, says in (({"lora_name": "ft-c", "lora_path": folder_b}, "max_loras"),
-                       ({"lora_name": "ft-a", "lora_path": folder_b}, "already served")):
-        r = _post(url, "/v1/load_lora_adapter", body)
-        assert r.status_code == 400 and says in r.text, r.text
     [pid] = server.agent_pids()
     os.kill(pid, signal.SIGKILL)
     server.stats_until(lambda s: s["agents_alive"] == 1 and server.agent_pids() not in ([], [pid]), timeout_s=180)
     assert _openai(url, "ft-b2") == want_b  # loaded again into the restarted agent's slot
+    assert _openai(url, "ft-b") == want_b  # swapped in again
+    assert _burst(server, ["ft-a", "ft-b", "ft-b2"] * 2) == [want_a, want_b, want_b] * 2
 
+    _openai(url, "ft-a"), _openai(url, "ft-b2")  # the two in the slots
     out: dict[str, str] = {}
-    running = threading.Thread(target=lambda: out.setdefault("a", _openai(url, "ft-a")))
+    running = [threading.Thread(target=lambda n=n: out.setdefault(n, _openai(url, n))) for n in ("ft-a", "ft-b2")]
     with server.agents_paused():
-        running.start()
-        server.stats_until(lambda s: s["running"] + s["waiting"] == 1)
+        for t in running:
+            t.start()
+        server.stats_until(lambda s: s["running"] + s["waiting"] == 2)
+        for body, says in (({"lora_name": "ft-d", "lora_path": folder_b}, "running requests use"),
+                           ({"lora_name": "ft-a", "lora_path": folder_b}, "already served")):
+            r = _post(url, "/v1/load_lora_adapter", body)
+            assert r.status_code == 400 and says in r.text, r.text
         assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "ft-a"}).status_code == 200
-    running.join(120)
-    assert out["a"] == want_a  # admitted before the unload: it ran on ft-a to its end
+    for t in running:
+        t.join(120)
+    assert out == {"ft-a": want_a, "ft-b2": want_b}  # admitted before the unload: it ran on ft-a to its end
     assert httpx.post(f"{url}/v1/completions", json={"model": "ft-a", "prompt": "hi"}, timeout=30).status_code == 404
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "ft-a"}).status_code == 404
     r = _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-x", "lora_path": str(server.config_path)})
     assert r.status_code == 400 and "adapter_config.json" in r.text  # not a PEFT folder
     folder_a = server.config["serving_config"]["lora_modules"]["ft-a"]
     assert _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-a", "lora_path": folder_a}).status_code == 200
-    assert _openai(url, "ft-a") == want_a  # its freed slot taken again
+    assert _openai(url, "ft-a") == want_a  # into the slot of the unloaded ft-a, free first
 
 
 def test_the_offline_api_picks_adapters_by_name(server, tmp_path, tiny_model_dir):

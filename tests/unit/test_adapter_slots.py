@@ -1,0 +1,59 @@
+"""More LoRA adapters than the agents' slots (server/engine/adapters.py): a request whose adapter is in
+no slot waits, in arrival order, until the least recently used adapter that no placed request uses
+is swapped out for it, between steps; one in a slot runs at once. The agents' side of a swap (their
+`l` command) is tests/e2e/test_lora_serving.py's; here a lane records what it was told to load."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from common.config import ServingConfig
+from server.engine.adapters import AdapterSlots
+from server.request import Request
+from server.sampling_params import SamplingParams
+
+
+class Lane:
+    def __init__(self) -> None:
+        self.live, self.busy, self.loads = True, False, []
+        self.client = SimpleNamespace(call=lambda cmd, header, timeout: self.loads.append((header["slot"], header["name"])))
+
+
+def _request(slots: AdapterSlots, name: str) -> Request:
+    return Request(name, [1], SamplingParams(lora=slots.resolve(name)), sink=None)
+
+
+def _live(reqs: list[Request]) -> list[int]:
+    return [r.params.adapter_key for r in reqs]
+
+
+def test_adapters_beyond_the_slots_are_swapped_in_least_recently_used_first():
+    cfg = ServingConfig(lora_modules={"a": "/a", "b": "/b", "c": "/c"}, max_loras=2)
+    slots, lane = AdapterSlots(cfg), Lane()
+    assert [h.name for h in slots.boot] == ["a", "b"] and slots.resolve("c").slot == -1
+    a, b = _request(slots, "a"), _request(slots, "b")
+    assert slots.place(a) and slots.place(b) and (a.params.lora.slot, b.params.lora.slot) == (0, 1)
+    c, a2 = _request(slots, "c"), _request(slots, "a")
+    assert not slots.place(c) and not slots.place(a2)  # a2 waits behind c: arrival order
+    assert slots.ready(_live([a, b])) == [] and not slots.pending  # every slot's adapter runs: no swap yet
+    assert slots.ready(_live([a])) == [] and slots.holds_steps  # b ended: c goes into b's slot
+    lane.busy = True
+    slots.apply([lane], _live([a]))
+    assert lane.loads == []  # not while a step is in flight
+    lane.busy = False
+    slots.apply([lane], _live([a]))
+    assert lane.loads == [(1, "c")] and [r.request_id for r in slots.ready(_live([a]))] == ["c", "a"]
+    assert (c.params.lora.slot, a2.params.lora.slot) == (1, 0)
+    b2 = _request(slots, "b")  # b now waits for the least recently used adapter nothing runs on
+    assert not slots.place(b2) and slots.ready(_live([c])) == []
+    slots.apply([lane], _live([c]))
+    assert lane.loads[-1] == (0, "b") and slots.ready(_live([c])) == [b2]
+
+
+def test_an_agent_restarted_gets_what_the_slots_hold_since_its_start():
+    slots, lane = AdapterSlots(ServingConfig(lora_modules={"a": "/a", "b": "/b"}, max_loras=1)), Lane()
+    b = _request(slots, "b")
+    assert not slots.place(b)
+    slots.ready([])
+    slots.apply([lane], [])
+    slots.replay(lane.client)
+    assert lane.loads == [(0, "b"), (0, "b")]  # the swap, then again into the restarted agent
