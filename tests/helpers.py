@@ -67,6 +67,13 @@ def tiny_config(tmp: Path, model_dir: Path, n_agents: int = 1, **serving: Any) -
     return path
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 class ServerProcess:
     """`llm-serving --config X` as a real child process (it spawns its agents); `script`: another
     entry point taking the same arguments (examples/start.py)."""
@@ -91,8 +98,9 @@ class ServerProcess:
     def agent_pids(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         pids = [int(p) for p in out.split()]
-        # multiprocessing's resource tracker is a child too; agents are the spawn_main children
-        return [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        # multiprocessing's resource tracker is a child too; agents are the spawn_main children (one
+        # that exits between pgrep and the read, a killed agent, is not one)
+        return [p for p in pids if "spawn_main" in _cmdline(p)]
 
     @contextmanager
     def agents_paused(self) -> Iterator[None]:
