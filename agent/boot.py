@@ -12,6 +12,7 @@ from agent.model_config import ModelConfig
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig, compile_cache_key
 from agent.spec import proposer_for
+from agent.spec.draft_load import draft_key, load_draft
 from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.config import ConfigError, ServingConfig
@@ -44,8 +45,8 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
     rc = RunnerConfig.from_serving(cfg, Group.from_link(tp_link, index, tp, model_cfg.hidden_size, model_cfg.vocab_size,
                                                         cfg.token_buckets[-1], cfg.max_rows))
     # The on-disk cache is only sound for warm-up's fixed compile order (see freeze_compile_cache).
-    device = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=compile_cache_key(model_cfg, rc),
-                             device_id=cfg.start_device_id + index)
+    key = compile_cache_key(model_cfg, rc, draft_key(cfg))
+    device = setup_mindspore(cfg.compile_cache_dir if cfg.warmup else None, key=key, device_id=cfg.start_device_id + index)
     free = device_free_memory(device[1])
     refusal = memory_plan(cfg, files, 1, device_free=free).refusal() if free is not None else None
     if refusal:
@@ -58,8 +59,8 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
     # The ranks of a group sample alike: one seed per replica.
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp,
                          calibration=tok.encode(CALIBRATION_TEXT) if int8 else None,
-                         grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size), proposer=proposer_for(cfg),
-                         lora=lora)
+                         grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size),
+                         proposer=proposer_for(cfg) or load_draft(cfg, rc, model_cfg.vocab_size, tok), lora=lora)
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,

@@ -60,8 +60,13 @@ class ModelRunner:
         self.warmed: set[tuple[int, int, int]] = set()  # graph shapes warm-up ran (their buffers exist)
 
     @property
+    def draft(self) -> "ModelRunner | None":
+        """The draft model's runner (speculative self_int8 / draft), else None."""
+        return getattr(self.seqs.proposer, "runner", None)
+
+    @property
     def graph_compiles(self) -> int:
-        return len(self.compiled)
+        return len(self.compiled) + (self.draft.graph_compiles if self.draft is not None else 0)
 
     # ------------------------------------------------------------ graph call
     def _run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, token_rows: np.ndarray,
@@ -220,7 +225,7 @@ class ModelRunner:
     def reset(self) -> None:
         self.seqs.reset()
 
-    def warmup(self) -> None:
+    def warmup(self, freeze: bool = True) -> None:
         """Build every graph a step can run (one per token bucket) before traffic, in a fixed order:
         a compile under traffic stalls its step for seconds. Graphs load from the on-disk cache when
         it is warm; none is ever built after this. Where the model skips a step's padding (the stack
@@ -242,7 +247,10 @@ class ModelRunner:
             if i == len(shapes) // 2:  # progress in one line (each graph's own at DEBUG)
                 log.info("building graphs: %d/%d (up to %d tokens) in %.1fs", i, len(shapes), t,
                          time.monotonic() - start)
-        freeze_compile_cache()
+        if self.draft is not None:  # its graphs next, in the same fixed order (the compile-cache key names it)
+            self.draft.warmup(freeze=False)
+        if freeze:
+            freeze_compile_cache()
 
 
 def sampled_rows(sample: np.ndarray) -> slice | np.ndarray:

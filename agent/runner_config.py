@@ -80,11 +80,12 @@ class RunnerConfig:
         return [(t, self.rows_for(t), s) for t in self.token_buckets for s in self.logit_rows_for(t)]
 
 
-def compile_cache_key(model_cfg: ModelConfig, rc: RunnerConfig) -> str:
+def compile_cache_key(model_cfg: ModelConfig, rc: RunnerConfig, draft: str = "") -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
-    exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`)."""
+    exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`);
+    `draft`: the draft model's graphs that follow (agent.spec.draft_load.draft_key)."""
     return (f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|"
-            f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}|lora{rc.lora}")
+            f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}|lora{rc.lora}|draft{draft}")
 
 
 def graph_for(x: StepInputs, rc: RunnerConfig) -> tuple[int, int]:

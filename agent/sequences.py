@@ -42,6 +42,8 @@ class SequenceState:
         self.proposer = proposer
 
     def free(self, seqs: list[int]) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(seqs)
         for seq in seqs:
             self.histories.pop(seq, None)
             self.last.pop(seq, None)
@@ -53,6 +55,8 @@ class SequenceState:
     def reset(self) -> None:
         self.histories.clear()
         self.last.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
         if self.grammars is not None:
             self.grammars.matchers.clear()
 
@@ -87,15 +91,22 @@ class SequenceState:
             s, q = starts[r], x.query_lens[r] - x.spec_len[r]
             seq = int(x.seq_ids[r])
             if x.positions[s] == 0 or seq not in self.histories:
-                self.histories[seq] = TokenLog()
+                self._restart(seq)
             self.histories[seq].extend(tokens[s:s + q])
 
     def start_histories(self, histories: list[list[Any]]) -> None:
         """[seq, tokens] of the sequences a step admits past position 0 (a prefix-cache hit, a KV
         hand-over) whose sampling reads their tokens: those before the row, never fed here."""
         for seq, tokens in histories:
-            log = self.histories[seq] = TokenLog()
-            log.extend(tokens)
+            self._restart(seq).extend(tokens)
+
+    def _restart(self, seq: int) -> TokenLog:
+        """A new history (a prompt from position 0, a re-admission, a hand-over): what a proposer
+        computed of the old one is forgotten."""
+        if self.proposer is not None:
+            self.proposer.forget([seq])
+        log = self.histories[seq] = TokenLog()
+        return log
 
     def forget_last(self, seq: int) -> None:
         """Its KV came from another agent: no last sample here (its next row carries its token)."""
@@ -110,11 +121,12 @@ class SequenceState:
         """Fill each drafting row's draft slots in `tokens` (after `track` took its fed token) with its
         proposer's drafts; returns how many each row got (the rest stay placeholders, never accepted)."""
         drafted = np.zeros(x.spec_len.shape[0], np.int32)
-        for r in np.nonzero(x.spec_len)[0]:
-            log = self.histories.get(int(x.seq_ids[r]))
-            if self.proposer is None or unfed[r] or log is None:
-                continue
-            d = self.proposer.propose(log.view(), int(x.spec_len[r]))
+        if self.proposer is None:
+            return drafted
+        rows = [int(r) for r in np.nonzero(x.spec_len)[0]
+                if not unfed[r] and int(x.seq_ids[r]) in self.histories]
+        logs = [self.histories[int(x.seq_ids[r])].view() for r in rows]
+        for r, d in zip(rows, self.proposer.propose_step(x, starts, rows, logs)):
             tokens[starts[r] + 1:starts[r] + 1 + d.size] = d
             drafted[r] = d.size
         return drafted

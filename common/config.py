@@ -110,6 +110,7 @@ class ServingConfig:
     spec_lookup_min: int = 2
     spec_lookup_max: int = 4
     spec_max_batch: int = 16
+    spec_draft_model: str | None = None  # `draft`'s model (agent/spec/draft_load.py)
     source: Path | None = None
     notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)
 

@@ -41,7 +41,8 @@ def check_together(c: ServingConfig) -> None:
                           "tensor parallelism runs float32, bfloat16 or float16 weights")
     if c.spec_method is not None and c.spec_method not in SPEC_METHODS:
         raise ConfigError(f"speculative_config.method = {c.spec_method!r}: this server drafts with "
-                          f"{', '.join(SPEC_METHODS)} (prompt lookup on the agent); {c.spec_method} is not served")
+                          f"{', '.join(SPEC_METHODS)} (on the agent); {c.spec_method} is not served")
+    _check_draft(c)
     if c.spec_lookup_min > c.spec_lookup_max:
         raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
                           f"({c.spec_lookup_max})")
@@ -78,3 +79,19 @@ def _check_roles(c: ServingConfig) -> None:
     if c.tensor_parallel_size > 1:
         raise ConfigError(f"serving_config.agent_roles = {roles} with tensor_parallel_size {c.tensor_parallel_size}: "
                           "disaggregated agents are single ranks")
+
+
+def _check_draft(c: ServingConfig) -> None:
+    """The draft-model methods: a model to draft with, a float target, single ranks."""
+    if c.spec_method == "draft" and not c.spec_draft_model:
+        raise ConfigError("speculative_config.method = draft: needs draft_model_path (a smaller model with the "
+                          "target's tokenizer)")
+    if c.spec_draft_model and c.spec_method != "draft":
+        raise ConfigError(f"speculative_config.draft_model_path is set: only method draft reads it (method is "
+                          f"{c.spec_method})")
+    if c.spec_method == "self_int8" and c.model_dtype == "int8":
+        raise ConfigError("speculative_config.method = self_int8 with model_dtype int8: the draft would be the "
+                          "target itself; use a float model_dtype, or ngram")
+    if c.spec_method in ("self_int8", "draft") and c.tensor_parallel_size > 1:
+        raise ConfigError(f"speculative_config.method = {c.spec_method} with tensor_parallel_size "
+                          f"{c.tensor_parallel_size}: draft models run on single-rank agents (ngram drafts on ranks)")

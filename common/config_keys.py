@@ -17,7 +17,7 @@ from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTY
 
 
 SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer", "speculative_config")
-SPEC_METHODS = ("ngram",)  # served; vLLM's others are refused by name (common.config_checks.check_together)
+SPEC_METHODS = ("ngram", "self_int8", "draft")  # served; vLLM's others are refused by name (common.config_checks.check_together)
 # Whole sections accepted and not needed here, with why.
 IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
                     for name in ("basic_inputs", "extra_inputs", "warmup_inputs")}
@@ -245,10 +245,16 @@ KEYS: list[Key] = [
         here="the largest adapter rank served; a larger one is refused at load"),
     # ---------------------------------------------------------------- speculative_config (vLLM's names)
     Key(X, "method", "spec_method", lower,
-        here="ours: speculative decoding (`--speculative-config '{\"method\": \"ngram\"}'`): `ngram` drafts each "
-             "decode's next tokens from the sequence's own prompt and output on the agent (prompt lookup) and "
-             "verifies them in the same step, exactly (greedy and seeded output token for token as without; "
-             "docs/protocol.md). Unset: off. vLLM's other methods (`draft_model`, `eagle`, ...) are refused by name"),
+        here="ours: speculative decoding (`--speculative-config '{\"method\": \"ngram\"}'`), drafts verified in the "
+             "same step, exactly (greedy and seeded output token for token as without; docs/protocol.md): `ngram` "
+             "drafts from the sequence's own prompt and output (prompt lookup); `self_int8` from the served weights "
+             "quantised to int8 (a float model_dtype); `draft` from `draft_model_path`, a smaller model with the same "
+             "tokenizer. Drafting runs on the agent. Unset: off. vLLM's other methods (`eagle`, `mtp`, ...) are "
+             "refused by name"),
+    Key(X, "draft_model_path", "spec_draft_model", str,
+        here="`draft`'s model: a `.gguf`, a Hugging Face folder or a packaged model, run in model_dtype beside the "
+             "target on each agent with a KV cache of the target's num_blocks (the memory plan counts both); a "
+             "tokenizer other than the target's is refused at start"),
     Key(X, "num_speculative_tokens", "spec_tokens", as_int, lambda v: 1 <= v <= 16, "in [1, 16]",
         here="most drafts per decode (k); each sequence's own k adapts to its acceptance and falls to 0 where "
              "nothing is proposed or accepted"),

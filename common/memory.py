@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, ServingConfig
-from common.model_files import ModelFiles, mindformers_yaml, unsupported_family
+from common.model_files import ModelFiles, mindformers_yaml, resolve_model, unsupported_family
 
 GiB = 1 << 30
 AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
@@ -165,10 +165,11 @@ class MemoryPlan:
     device: str = "CPU"
     kv_dtype: str = "float32"
     dtype: str = "float32"  # the weights'
+    draft: int = 0  # speculative self_int8 / draft: the draft model's weights and its KV cache
 
     @property
     def per_agent(self) -> int:
-        return self.weights + self.kv + self.activations + self.runtime
+        return self.weights + self.kv + self.activations + self.runtime + self.draft
 
     @property
     def total(self) -> int:
@@ -206,17 +207,20 @@ class MemoryPlan:
             f"  KV cache     {gib(self.kv)} ({self.num_blocks} {self.kv_dtype} blocks)",
             f"  activations  {gib(self.activations)} (largest step)",
             f"  runtime      {gib(self.runtime)}",
+            *([f"  draft model  {gib(self.draft)} (weights and KV cache)"] if self.draft else []),
             (f"agents on this host: {self.agents}; total {gib(self.total)}; {where}" if self.device == "CPU" else
              f"agents: {self.agents}, one a device; {where}"),
             "fits" if self.refusal() is None else f"does not fit: {self.refusal()}"])
 
 
-def auto_blocks(cfg: ServingConfig, shape: ModelShape, agents: int, fixed: int, available: int | None) -> int:
+def auto_blocks(cfg: ServingConfig, shape: ModelShape, agents: int, fixed: int, available: int | None,
+                draft_block: int = 0) -> int:
     """`num_blocks: auto`: `kv_cache_memory` bytes of blocks when set; else AUTO_KV_SHARE of what is
     left per agent after `fixed` (weights, activations, runtime) on the host, or on each device
     (serving_config.device_memory), capped at every running sequence at full length; where the
-    memory is unknown, that cap."""
+    memory is unknown, that cap. A block costs the draft model's too (`draft_block`)."""
     per_block = kv_block_bytes(shape, cfg.block_size, kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU"))
+    per_block += draft_block
     want = cfg.max_running * cfg.max_blocks_per_seq + 1
     if cfg.kv_cache_memory:
         budget = cfg.kv_cache_memory
@@ -234,6 +238,22 @@ def auto_blocks(cfg: ServingConfig, shape: ModelShape, agents: int, fixed: int, 
     return blocks
 
 
+def draft_dtype(cfg: ServingConfig) -> str:
+    """speculative_config's draft model runs in int8 (self_int8) or in the target's dtype (draft)."""
+    return "int8" if cfg.spec_method == "self_int8" else cfg.model_dtype
+
+
+def draft_costs(cfg: ServingConfig, files: ModelFiles) -> tuple[int, int]:
+    """The draft model's weight bytes and KV bytes per target block (0, 0 without one): its cache has
+    the target's num_blocks (agent/spec/draft_model.py)."""
+    if cfg.spec_method not in ("self_int8", "draft"):
+        return 0, 0
+    shape = model_shape(files if cfg.spec_method == "self_int8" else resolve_model(cfg.spec_draft_model, None))
+    dtype = draft_dtype(cfg)
+    kv = kv_block_bytes(shape, cfg.block_size, kv_dtype_for(cfg.kv_cache_dtype, dtype, cfg.device == "CPU"))
+    return weight_bytes(shape, dtype), kv
+
+
 def plan(cfg: ServingConfig, files: ModelFiles, agents: int, device_free: int | None = None) -> MemoryPlan:
     """The memory plan of `cfg` with `agents` agents on this host (or on a device each: against
     serving_config.device_memory, or `device_free` as an agent's runtime reports it); resolves
@@ -245,8 +265,11 @@ def plan(cfg: ServingConfig, files: ModelFiles, agents: int, device_free: int | 
         weights += lora_bytes(shape, cfg.max_loras, cfg.max_lora_rank, cfg.model_dtype)
     activations = activation_bytes(shape, cfg.token_buckets[-1], cfg.max_rows)
     available = available_bytes() if cfg.device == "CPU" else cfg.device_memory or device_free
+    draft_weights, draft_block = draft_costs(cfg, files)
     if not cfg.num_blocks:
-        cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + cfg.runtime_memory, available)
+        cfg.num_blocks = auto_blocks(cfg, shape, agents, weights + activations + cfg.runtime_memory + draft_weights,
+                                     available, draft_block)
     kv_dtype = kv_dtype_for(cfg.kv_cache_dtype, cfg.model_dtype, cfg.device == "CPU")
     return MemoryPlan(weights, cfg.num_blocks * kv_block_bytes(shape, cfg.block_size, kv_dtype), activations, cfg.runtime_memory,
-                      agents, available, cfg.num_blocks, cfg.device, kv_dtype, cfg.model_dtype)
+                      agents, available, cfg.num_blocks, cfg.device, kv_dtype, cfg.model_dtype,
+                      draft_weights + cfg.num_blocks * draft_block)

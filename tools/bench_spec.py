@@ -1,8 +1,9 @@
 """Speculative decoding A/B in one run: the same server with speculative_config off and with each
-method on, greedy, on two workloads at batch sizes B:
+method on, greedy, on three workloads at batch sizes B:
 
 - `copy`: answers that repeat their prompt (correct a paragraph's spelling, extend a JSON record,
   continue regular code), where prompt lookup drafts well;
+- `chat`: ordinary questions, whose answers repeat little (what a draft model is for);
 - `random`: random-word prompts (`tools/bench_serving.random_dataset`), where it finds little.
 
     python -m tools.bench_spec --config configs/smollm2.yaml --batches 1,8,64
@@ -52,6 +53,22 @@ def copy_prompts(n: int) -> list[str]:
     return [kinds[i % len(kinds)] for i in range(n)]
 
 
+QUESTIONS = ["Why is the sky blue?", "Give three tips for sleeping better.", "What does a compiler do?",
+             "Describe a good breakfast.", "How do plants make food from sunlight?", "What is a prime number?",
+             "Explain what a database index is.", "Why do cats purr?"]
+
+
+def chat_prompts(n: int, config: str = "configs/smollm2.yaml") -> list[str]:
+    """Ordinary questions in the model's chat template, where an answer repeats little of its prompt."""
+    from common.config import load_config
+    from common.model_files import resolve_model
+    from common.tokenizer import load_tokenizer
+
+    cfg = load_config(config)
+    tok = load_tokenizer(resolve_model(cfg.model_path, cfg.model_cfg_path), cfg.tokenizer_path)
+    return [tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(n)]
+
+
 def metric(base: str, name: str) -> float:
     for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
         if line.startswith(name + " "):
@@ -74,13 +91,19 @@ def measure(base: str, model: str, reqs: list[BenchRequest], batch: int) -> tupl
             }, [r.text for r in results]
 
 
-def workloads(batches: list[int], output_len: int) -> dict[tuple[str, int], list[BenchRequest]]:
-    """Per (workload, B): its requests, run B at a time (at least 6 copy and 4 random prompts)."""
+def workloads(batches: list[int], output_len: int, kinds: list[str],
+              config: str = "configs/smollm2.yaml") -> dict[tuple[str, int], list[BenchRequest]]:
+    """Per (workload, B): its requests, run B at a time: at least 6 copy or chat and 4 random prompts,
+    and up to 3 waves of B (24 requests), so a small batch is measured full, not by its slowest answer."""
     out = {}
     for b in batches:
-        out[("copy", b)] = [BenchRequest(p, len(p.split()), output_len, ignore_eos=False)
-                            for p in copy_prompts(max(b, 6))]
-        out[("random", b)] = random_dataset(max(b, 4), 32, output_len, seed=b)
+        n = max(b, min(3 * b, 24))
+        for kind in kinds:
+            if kind == "random":
+                out[(kind, b)] = random_dataset(max(n, 4), 32, output_len, seed=b)
+            else:
+                prompts = copy_prompts(max(n, 6)) if kind == "copy" else chat_prompts(max(n, 6), config)
+                out[(kind, b)] = [BenchRequest(p, len(p.split()), output_len, ignore_eos=False) for p in prompts]
     return out
 
 
@@ -94,13 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                     "off, a method, or a --speculative-config JSON such as {\"method\": \"ngram\", "
                     "\"num_speculative_tokens\": 3}; a mode started twice gets the median of all its runs "
                     "(alternating starts cancel the machine's drift)")
+    ap.add_argument("--workloads", default="copy,random", help="copy, chat (ordinary questions), random")
     ap.add_argument("--repeats", type=int, default=1, help="runs per point and server start")
     args = ap.parse_args(argv)
     base, model = server_process.endpoint(args.config)
     batches = [int(b) for b in args.batches.split(",")]
     starts = [m.strip() for m in args.modes.split(";")]
     modes = list(dict.fromkeys(starts))
-    loads = workloads(batches, args.output_len)
+    loads = workloads(batches, args.output_len, args.workloads.split(","), args.config)
     runs: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     texts: dict[tuple[str, int, str], list[str]] = {}
     for i, mode in enumerate(starts):

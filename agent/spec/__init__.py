@@ -11,8 +11,9 @@ from common.config import ServingConfig
 
 
 def proposer_for(cfg: ServingConfig) -> Any:
-    """The agent's proposer for speculative_config, or None: off, or while the contest's precision
-    files are written (they name a row's last token, which drafts would move)."""
-    if cfg.spec_method is None or LogitsDump.from_env() is not None:
+    """The agent's n-gram proposer for speculative_config, or None: another method (a draft model:
+    agent/spec/draft_load.py), off, or while the contest's precision files are written (they name a
+    row's last token, which drafts would move)."""
+    if cfg.spec_method != "ngram" or LogitsDump.from_env() is not None:
         return None
     return NgramProposer(cfg.spec_lookup_min, cfg.spec_lookup_max)

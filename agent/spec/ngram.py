@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from shm.step import StepInputs
+
 
 class NgramProposer:
     method = "ngram"
@@ -12,6 +14,17 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt_lookup_min {min_n} and prompt_lookup_max {max_n}: need 1 <= min <= max")
         self.min_n, self.max_n = min_n, max_n
+
+    def propose_step(self, x: StepInputs, starts: np.ndarray, rows: list[int],
+                     histories: list[np.ndarray]) -> list[np.ndarray]:
+        """Drafts for step rows `rows` (each with x.spec_len[r] slots) from their histories."""
+        return [self.propose(h, int(x.spec_len[r])) for r, h in zip(rows, histories)]
+
+    def forget(self, seqs: list[int]) -> None:  # nothing is kept between steps
+        pass
+
+    def reset(self) -> None:
+        pass
 
     def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
         """Up to `k` drafts to follow `tokens` (the sequence so far, its last sample included)."""

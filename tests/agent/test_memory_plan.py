@@ -58,6 +58,24 @@ def test_planned_bytes_are_the_models_bytes(tiny_weights, dtype):
     assert model.kv_cache_bytes == 40 * kv_block_bytes(TINY_SHAPE, 16, dtype)  # KV auto: the weights' dtype
 
 
+def test_a_draft_model_is_in_the_plan_and_auto_blocks_pay_for_its_kv(tmp_path, tiny_model_dir):
+    """self_int8 adds its int8 weights and an int8 KV block per target block (its cache has the
+    target's geometry); `num_blocks: auto` from kv_cache_memory splits the bytes over both caches."""
+    from common.memory import plan
+    from common.model_files import resolve_model
+
+    files = resolve_model(str(tiny_model_dir), None)
+    cfg = load_config(tiny_config(tmp_path, tiny_model_dir), spec_method="self_int8")
+    p = plan(cfg, files, 1)
+    assert p.draft == weight_bytes(TINY_SHAPE, "int8") + cfg.num_blocks * kv_block_bytes(TINY_SHAPE, 4, "int8")
+    assert "draft model" in p.describe()
+    per_block = kv_block_bytes(TINY_SHAPE, 4) + kv_block_bytes(TINY_SHAPE, 4, "int8")
+    auto = load_config(tiny_config(tmp_path, tiny_model_dir, num_blocks="auto", kv_cache_memory=300 * per_block),
+                       spec_method="self_int8")
+    plan(auto, files, 1)
+    assert auto.num_blocks == 300
+
+
 def test_a_config_too_large_for_this_host_stops_before_any_agent(tmp_path, tiny_model_dir):
     """100 million KV blocks (~190 GiB): one line naming what is needed and what is available, exit 1,
     and no agent process ever started (none loaded a weight)."""

@@ -1,11 +1,16 @@
-"""Speculative decoding on the agent (agent/spec/): n-gram drafts verified in the packed step give
-token for token what plain decoding gives, greedy and seeded, alone and batched, with penalties
-and logprobs; the proposer itself on known sequences."""
+"""Speculative decoding on the agent (agent/spec/): n-gram and draft-model drafts verified in the
+packed step give token for token what plain decoding gives, greedy and seeded, alone and batched,
+with penalties and logprobs; the proposers themselves on known sequences."""
 from __future__ import annotations
+
+import json
+import re
+import shutil
 
 import numpy as np
 import pytest
 
+from agent.spec.draft_model import DraftModelProposer
 from agent.spec.ngram import NgramProposer
 from server.sampling_params import SamplingParams
 from shm.arena import Arena, ArenaSpec
@@ -94,6 +99,58 @@ def test_drafts_change_no_token(spec_runner, params):
     assert driver.short > 0  # and rows whose empty draft slots the agent dropped gave the same tokens
 
 
+# ------------------------------------------------------------------ draft models (self_int8, draft)
+def _drafting_runner(weights, dtype: str, draft_dtype: str):
+    """A target runner whose proposer is a draft runner of the same weights in `draft_dtype`, with
+    the target's KV geometry (as agent.spec.draft_load builds it)."""
+    target = make_runner(weights, 16, dtype=dtype)
+    draft = make_runner(weights, 16, num_blocks=target.rc.num_blocks, dtype=draft_dtype)
+    target.seqs.proposer = DraftModelProposer(draft, "draft")
+    return target
+
+
+@pytest.fixture(scope="module")
+def self_int8_runner(tiny_weights):
+    return _drafting_runner(tiny_weights, "float32", "int8")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=11),
+                                    SamplingParams(repetition_penalty=1.05, logprobs=2)],
+                         ids=["greedy", "seeded-top-k", "penalty-logprobs"])
+def test_self_int8_drafts_change_no_token(self_int8_runner, spec_runner, params):
+    """The int8 self-draft's proposals, verified, give what the float32 target gives plainly: one
+    sequence at a time, and 4 in each step (their draft KV kept between steps and caught up)."""
+    plain = SpecDriver(spec_runner, params, 0)
+    want = [plain.run([p], 20, seq0=400 + i)[0] for i, p in enumerate(LOOPY)]
+    driver = SpecDriver(self_int8_runner, params, 4)
+    assert [driver.run([p], 20, seq0=500 + i)[0] for i, p in enumerate(LOOPY)] == want
+    batched = SpecDriver(self_int8_runner, params, 3)
+    assert batched.run(LOOPY, 20, seq0=600) == want
+    assert driver.accepted > 0 and batched.accepted > 0
+    assert driver.short == 0  # a draft model fills every slot
+
+
+def test_a_draft_of_the_target_itself_is_always_accepted_greedy(tiny_weights, spec_runner):
+    """A float32 draft of the target's own weights proposes the target's argmax: every greedy draft
+    is kept, which fails if the draft's KV (caught up lazily, fed drafts kept) were out of step."""
+    runner = _drafting_runner(tiny_weights, "float32", "float32")
+    want = SpecDriver(spec_runner, SamplingParams(), 0).run(LOOPY, 24, seq0=700)
+    driver = SpecDriver(runner, SamplingParams(), 3)  # 4 rows of 1 + 3: the 16 LM-head rows of this runner
+    assert driver.run(LOOPY, 24, seq0=800) == want
+    steps = 1 + -(-23 // 4)  # the prefill, then 1 + 3 tokens a decode
+    assert driver.accepted == len(LOOPY) * (24 - steps)
+
+
+def test_a_restarted_history_is_drafted_from_scratch(self_int8_runner):
+    """A sequence re-admitted from position 0 (preemption) forgets its draft KV: the proposer's state
+    is gone, and the run still equals the first."""
+    driver = SpecDriver(self_int8_runner, SamplingParams(), 3)
+    first = driver.run([LOOPY[0]], 12, seq0=900)
+    assert 900 in self_int8_runner.seqs.proposer.cached
+    again = SpecDriver(self_int8_runner, SamplingParams(), 3).run([LOOPY[0]], 12, seq0=900)
+    assert again == first
+
+
 # ------------------------------------------------------------------ the verification's distribution
 V, DEPTH, TRIALS = 4, 3, 4000
 
@@ -165,3 +222,29 @@ def test_verified_drafts_keep_the_sampling_distribution(temperature, top_p):
     df = len(cells) - 1
     critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
     assert df >= 8 and stat < critical, (stat, critical, df)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_by_name(tmp_path, tiny_model_dir):
+    """`draft` with a model whose vocabulary is another (two tokens swapped; SmolLM2's 49152) is a
+    ConfigError naming the difference, before any graph is built."""
+    from agent.runner_config import RunnerConfig
+    from agent.spec.draft_load import load_draft
+    from common.config import ConfigError, load_config
+    from common.model_files import resolve_model
+    from common.tokenizer import load_tokenizer
+    from tests.conftest import TINY
+    from tests.helpers import tiny_config
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    doc = json.loads((other / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (65, 66))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(doc))
+    target = load_tokenizer(resolve_model(str(tiny_model_dir), None))
+    rc = RunnerConfig(num_blocks=40, block_size=4, max_model_len=128, token_buckets=[1], max_running=1)
+    for path, says in ((other, "token 65 is"), ("smollm2", "its vocabulary has 49152 rows")):
+        cfg = load_config(tiny_config(tmp_path, tiny_model_dir), spec_method="draft", spec_draft_model=str(path))
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_draft(cfg, rc, TINY["vocab_size"], target)

@@ -1,6 +1,7 @@
-"""Speculative decoding through real agents (speculative_config, n-gram drafts): a batch of 8 with
-preemption forced gives token for token what plain decoding gives, greedy and seeded; drafts were
-proposed and kept, and the counters say so."""
+"""Speculative decoding through real agents (speculative_config: n-gram drafts, the int8 self-draft,
+a draft model): a batch of 8 with preemption forced gives token for token what plain decoding gives,
+greedy, seeded, under a grammar and with penalties; drafts were proposed and kept, and the counters
+say so."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,16 +30,26 @@ def _run(config, params_list, **overrides):
         return outs, llm.engine.metrics
 
 
-def test_drafts_change_no_token_in_a_preempted_batch(configs):
-    params = [SamplingParams(max_new_tokens=40, ignore_eos=True),
-              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.1, top_p=0.9, seed=11),
-              SamplingParams(max_new_tokens=24, grammar=from_regex("(ab|c)+x")),
-              SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.05, logprobs=2)]
-    want, _ = _run(configs, params)
-    got, metrics = _run(configs, params, **SPEC)
-    assert [[o.token_ids for o in outs] for outs in got] == [[o.token_ids for o in outs] for outs in want]
-    assert [[o.finish_reason for o in outs] for outs in got] == [[o.finish_reason for o in outs] for outs in want]
-    for outs, ref in zip(got, want):  # a drafted position's logits come from a longer row: last bits may move
+PARAMS = [SamplingParams(max_new_tokens=40, ignore_eos=True),
+          SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.1, top_p=0.9, seed=11),
+          SamplingParams(max_new_tokens=24, grammar=from_regex("(ab|c)+x")),
+          SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.05, logprobs=2)]
+
+
+@pytest.fixture(scope="module")
+def plain(configs):
+    return _run(configs, PARAMS)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_int8", "draft"])
+def test_drafts_change_no_token_in_a_preempted_batch(configs, plain, tiny_model_dir, method):
+    spec = SPEC | {"spec_method": method}
+    if method == "draft":  # the target's own folder as its draft: same tokenizer, every greedy draft right
+        spec["spec_draft_model"] = str(tiny_model_dir)
+    got, metrics = _run(configs, PARAMS, **spec)
+    assert [[o.token_ids for o in outs] for outs in got] == [[o.token_ids for o in outs] for outs in plain]
+    assert [[o.finish_reason for o in outs] for outs in got] == [[o.finish_reason for o in outs] for outs in plain]
+    for outs, ref in zip(got, plain):  # a drafted position's logits come from a longer row: last bits may move
         assert all(np.allclose(o.logprobs, r.logprobs, atol=1e-4) for o, r in zip(outs, ref))
     value = metrics.registry.get_sample_value
     assert value("llm_serving_spec_accepted_tokens_total") > 0

@@ -140,6 +140,21 @@ def test_speculative_config_from_yaml_and_from_vllm_json(tmp_path):
             load_config(None, **speculative_overrides(text))
 
 
+def test_draft_model_methods_and_their_refusals():
+    from common.config import ConfigError, load_config, speculative_overrides
+
+    over = speculative_overrides('{"method": "draft", "draft_model_path": "/m/draft", "num_speculative_tokens": 4}')
+    assert over == {"spec_method": "draft", "spec_draft_model": "/m/draft", "spec_tokens": 4}
+    assert load_config(None, **speculative_overrides('{"method": "self_int8"}')).spec_method == "self_int8"
+    for text, extra, says in (
+            ('{"method": "draft"}', {}, "needs draft_model_path"),
+            ('{"method": "ngram", "draft_model_path": "/m"}', {}, "only method draft reads it"),
+            ('{"method": "self_int8"}', {"model_dtype": "int8"}, "the draft would be the target itself"),
+            ('{"method": "self_int8"}', {"agent_ports": [1, 2], "tensor_parallel_size": 2}, "single-rank agents")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, **speculative_overrides(text), **extra)
+
+
 def test_lora_modules_from_yaml_and_the_command_line_and_their_refusals(tmp_path):
     from common.config import ConfigError, load_config
     from common.config_values import as_adapters

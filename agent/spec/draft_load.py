@@ -1,0 +1,68 @@
+"""The draft model of `self_int8` and `draft` (agent/spec/draft_model.py), loaded beside the target:
+its own weights, graphs and KV cache, with the target's KV geometry and token buckets."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from agent.logits_dump import LogitsDump
+from agent.model.calibrate import CALIBRATION_TEXT
+from agent.runner_config import RunnerConfig
+from agent.spec.draft_model import DraftModelProposer
+from agent.tensor_parallel import Group
+from agent.weights.load import load_model
+from common.config import ConfigError, ServingConfig
+from common.memory import draft_dtype, model_shape
+from common.model_files import ModelFiles, resolve_model
+from common.tokenizer import load_tokenizer
+
+log = logging.getLogger("llm_serving.agent")
+DRAFT_METHODS = ("self_int8", "draft")
+
+
+def same_vocabulary(target: Any, draft: Any, vocab: int) -> str | None:
+    """Why the draft's tokenizer is not the target's, or None."""
+    if draft.vocab_size != target.vocab_size:
+        return f"its tokenizer has {draft.vocab_size} tokens, the target's {target.vocab_size}"
+    for i in range(min(vocab, target.vocab_size)):
+        if draft.id_to_token(i) != target.id_to_token(i):
+            return f"token {i} is {draft.id_to_token(i)!r} there and {target.id_to_token(i)!r} here"
+    return None
+
+
+def draft_files(cfg: ServingConfig) -> ModelFiles:
+    return (resolve_model(cfg.model_path, cfg.model_cfg_path) if cfg.spec_method == "self_int8" else
+            resolve_model(cfg.spec_draft_model, None))
+
+
+def draft_key(cfg: ServingConfig) -> str:
+    """What the draft's graphs depend on (its shape and dtype), for the compile-cache key; "" for none."""
+    if cfg.spec_method not in DRAFT_METHODS:
+        return ""
+    return f"{cfg.spec_method}:{draft_dtype(cfg)}:{model_shape(draft_files(cfg))}"
+
+
+def load_draft(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, target_tok: Any) -> DraftModelProposer | None:
+    """The draft proposer of speculative_config, or None for another method; ConfigError (naming why)
+    for a draft model whose vocabulary is not the target's."""
+    if cfg.spec_method not in DRAFT_METHODS or LogitsDump.from_env() is not None:
+        return None
+    from agent.runner import ModelRunner
+
+    files = draft_files(cfg)
+    tok = target_tok if cfg.spec_method == "self_int8" else load_tokenizer(files, None)
+    dtype = draft_dtype(cfg)
+    model_cfg, weights = load_model(files, cfg.max_model_len, int8=dtype == "int8")
+    why = None if model_cfg.vocab_size == vocab_size else (
+        f"its vocabulary has {model_cfg.vocab_size} rows, the target's {vocab_size}")
+    why = why or (same_vocabulary(target_tok, tok, vocab_size) if tok is not target_tok else None)
+    if why:
+        raise ConfigError(f"speculative_config.draft_model_path {cfg.spec_draft_model}: {why}; a draft needs the "
+                          "target's tokenizer")
+    drc = replace(rc, model_dtype=dtype, lora=(0, 0), tp=Group())
+    runner = ModelRunner(model_cfg, weights, drc, calibration=tok.encode(CALIBRATION_TEXT) if dtype == "int8" else None)
+    log.info("speculative %s: draft %s (%d layers, hidden %d) in %s, %.0f MiB of weights, KV %.0f MiB",
+             cfg.spec_method, files.path, model_cfg.num_layers, model_cfg.hidden_size, dtype,
+             runner.model.weight_bytes / 2**20, runner.model.kv_cache_bytes / 2**20)
+    return DraftModelProposer(runner, cfg.spec_method)
