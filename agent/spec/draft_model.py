@@ -66,9 +66,8 @@ class DraftModelProposer:
             ks.append(int(x.spec_len[r]))
             c.n = hist.size
         drafts = [np.zeros(k, np.int32) for k in ks]
-        last = self._catch_up(calls)
-        for i, row in enumerate(calls):
-            drafts[i][0] = last[i]
+        for i, t in enumerate(self._catch_up(calls)):
+            drafts[i][0] = t
         for j in range(1, max(ks, default=1)):  # feed draft j at position len(hist) + j - 1
             live = [i for i, k in enumerate(ks) if k > j]
             step = [Row(calls[i].seq, drafts[i][j - 1:j], histories[i].size + j - 1, calls[i].table) for i in live]
