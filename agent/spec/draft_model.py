@@ -6,9 +6,11 @@ target's block tables, as vLLM's draft layers are: the server's blocks, preempti
 for both, and no second allocator exists. What the draft has computed of a sequence is kept lazily:
 a drafting row first catches up on the tokens its history gained since it last drafted (the whole
 prompt the first time, else its newest token and whatever drafts the verification kept), packed
-with the other rows into the draft's own static graphs, then decodes k - 1 more. Greedy drafts are
-point masses, so verification (agent/spec/verify.py) stays exact whatever the draft computes: a
-stale or wrong draft KV only costs acceptance, never a token."""
+with the other rows into one call of the draft's static graphs, then decodes k - 1 more. One call's
+tokens are a step's whole catch-up: a long prompt catches up over several steps, drafting nothing
+until it has, so no step waits for a draft's prefill. Greedy drafts are point masses, so
+verification (agent/spec/verify.py) stays exact whatever the draft computes: a stale or wrong draft
+KV only costs acceptance, never a token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,7 +45,8 @@ class DraftModelProposer:
         self.runner, self.method = runner, method
         self.bs = runner.rc.block_size
         rc = runner.rc
-        self.max_tokens = rc.mixed_tokens or rc.token_buckets[-1]  # a call's tokens: every row's logits kept
+        # catch-up tokens a step: one call of a bucket whose graphs keep every row's logits
+        self.budget = max(b for b in rc.token_buckets if b <= (rc.mixed_tokens or rc.token_buckets[-1]))
         self.cached: dict[int, Cached] = {}
 
     def forget(self, seqs) -> None:
@@ -56,59 +59,46 @@ class DraftModelProposer:
     def propose_step(self, x: StepInputs, starts: np.ndarray, rows: list[int],
                      histories: list[np.ndarray]) -> list[np.ndarray]:
         """Drafts for step rows `rows` (each with x.spec_len[r] slots), from their histories (each
-        ending with the token the row feeds this step)."""
-        calls, ks = [], []
-        for r, hist in zip(rows, histories):
-            seq = int(x.seq_ids[r])
-            c = self.cached.setdefault(seq, Cached())
-            n = self._valid(c, hist)
-            calls.append(Row(seq, hist[n:], n, x.block_tables[r]))
-            ks.append(int(x.spec_len[r]))
-            c.n = hist.size
-        drafts = [np.zeros(k, np.int32) for k in ks]
-        for i, t in enumerate(self._catch_up(calls)):
-            drafts[i][0] = t
-        for j in range(1, max(ks, default=1)):  # feed draft j at position len(hist) + j - 1
-            live = [i for i, k in enumerate(ks) if k > j]
-            step = [Row(calls[i].seq, drafts[i][j - 1:j], histories[i].size + j - 1, calls[i].table) for i in live]
+        ending with the token the row feeds this step); none for a row still catching up."""
+        calls, drafting, left = [], [], self.budget
+        need = [h.size - self._valid(self.cached.setdefault(int(x.seq_ids[r]), Cached()), h)
+                for r, h in zip(rows, histories)]
+        for i in sorted(range(len(rows)), key=need.__getitem__):  # short catch-ups first
+            take = min(need[i], left)
+            if take <= 0:
+                continue
+            r, hist = rows[i], histories[i]
+            c = self.cached[int(x.seq_ids[r])]
+            n = hist.size - need[i]
+            calls.append(Row(int(x.seq_ids[r]), hist[n:n + take], n, x.block_tables[r]))
+            c.n, c.fed, left = n + take, c.fed[:0], left - take
+            if take == need[i]:
+                drafting.append((i, len(calls) - 1))
+        firsts = self._decode(calls)
+        drafts = [np.zeros(0, np.int32) for _ in rows]
+        for i, call in drafting:
+            drafts[i] = np.zeros(int(x.spec_len[rows[i]]), np.int32)
+            drafts[i][0] = firsts[call]
+        for j in range(1, max((d.size for d in drafts), default=1)):  # draft j fed at position len(hist) + j - 1
+            live = [i for i, d in enumerate(drafts) if d.size > j]
+            step = [Row(int(x.seq_ids[rows[i]]), drafts[i][j - 1:j], histories[i].size + j - 1, x.block_tables[rows[i]])
+                    for i in live]
             for i, t in zip(live, self._decode(step)):
                 drafts[i][j] = t
-        for row, d, k in zip(calls, drafts, ks):
-            self.cached[row.seq].fed = d[:k - 1]
+        for i, _ in drafting:
+            self.cached[int(x.seq_ids[rows[i]])].fed = drafts[i][:-1]
         return drafts
 
     @staticmethod
     def _valid(c: Cached, hist: np.ndarray) -> int:
-        """History tokens whose draft KV holds: what was computed, and the fed drafts the history kept."""
-        if c.n > hist.size - 1:  # never past the token this row feeds (its KV is this step's)
+        """History tokens whose draft KV holds: what was computed, and the fed drafts the history kept;
+        never the last (the token this row feeds, whose logits give the first draft)."""
+        if c.n > hist.size - 1:
             return 0
         kept = hist[c.n:c.n + c.fed.size]
         same = kept == c.fed[:kept.size]
         n = c.n + (int(np.argmin(same)) if not same.all() else kept.size)
         return min(n, hist.size - 1)
-
-    def _catch_up(self, rows: list[Row]) -> np.ndarray:
-        """Each row's tokens computed in as few calls as fit the draft's graphs; the argmax after each
-        row's last token."""
-        out = np.zeros(len(rows), np.int32)
-        pending = [(i, 0) for i in range(len(rows))]  # (row, tokens of it done)
-        while pending:
-            batch, budget, nxt = [], self.max_tokens, []
-            for i, done in pending:
-                take = min(rows[i].tokens.size - done, budget)
-                if take <= 0 or len(batch) >= self.runner.rc.max_running:
-                    nxt.append((i, done))
-                    continue
-                r = rows[i]
-                batch.append((i, done + take == r.tokens.size, Row(r.seq, r.tokens[done:done + take], r.pos + done, r.table)))
-                budget -= take
-                if done + take < r.tokens.size:
-                    nxt.append((i, done + take))
-            for (i, final, _), t in zip(batch, self._decode([b[2] for b in batch])):
-                if final:
-                    out[i] = t
-            pending = nxt
-        return out
 
     def _decode(self, rows: list[Row]) -> np.ndarray:
         """One draft forward over `rows` (fits the draft's graphs); the argmax after each row's last token."""

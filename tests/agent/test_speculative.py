@@ -141,6 +141,21 @@ def test_a_draft_of_the_target_itself_is_always_accepted_greedy(tiny_weights, sp
     assert driver.accepted == len(LOOPY) * (24 - steps)
 
 
+def test_a_prompt_longer_than_a_steps_catch_up_drafts_once_it_has_caught_up(self_int8_runner, spec_runner):
+    """With 8 catch-up tokens a step, a 30-token prompt's first 4 decodes take no drafts (its draft KV
+    fills 8 tokens a step while the sequence grows by one), then it drafts; the tokens equal plain
+    decoding's."""
+    proposer = self_int8_runner.seqs.proposer
+    proposer.budget = 8
+    try:
+        want = SpecDriver(spec_runner, SamplingParams(), 0).run([LOOPY[0]], 16, seq0=950)
+        driver = SpecDriver(self_int8_runner, SamplingParams(), 3)
+        assert driver.run([LOOPY[0]], 16, seq0=960) == want
+    finally:
+        proposer.budget = 128
+    assert driver.short == 4 and driver.accepted > 0
+
+
 def test_a_restarted_history_is_drafted_from_scratch(self_int8_runner):
     """A sequence re-admitted from position 0 (preemption) forgets its draft KV: the proposer's state
     is gone, and the run still equals the first."""
