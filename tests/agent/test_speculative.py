@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -100,32 +101,40 @@ def test_drafts_change_no_token(spec_runner, params):
 
 
 # ------------------------------------------------------------------ draft models (self_int8, draft)
-def _drafting_runner(weights, dtype: str, draft_dtype: str):
-    """A target runner whose proposer is a draft runner of the same weights in `draft_dtype`, with
-    the target's KV geometry (as agent.spec.draft_load builds it)."""
-    target = make_runner(weights, 16, dtype=dtype)
-    draft = make_runner(weights, 16, num_blocks=target.rc.num_blocks, dtype=draft_dtype)
-    target.seqs.proposer = DraftModelProposer(draft, "draft")
-    return target
+@contextmanager
+def drafting(runner, proposer):
+    """`runner` with `proposer` for the block (its own proposer again after)."""
+    old, runner.seqs.proposer = runner.seqs.proposer, proposer
+    try:
+        yield runner
+    finally:
+        runner.seqs.proposer = old
+
+
+def _draft(weights, target, dtype: str) -> DraftModelProposer:
+    """A draft of the same weights in `dtype` with the target's KV geometry (as agent.spec.draft_load
+    builds it)."""
+    return DraftModelProposer(make_runner(weights, 16, num_blocks=target.rc.num_blocks, dtype=dtype), "draft")
 
 
 @pytest.fixture(scope="module")
-def self_int8_runner(tiny_weights):
-    return _drafting_runner(tiny_weights, "float32", "int8")
+def int8_draft(tiny_weights, spec_runner):
+    return _draft(tiny_weights, spec_runner, "int8")
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=11),
                                     SamplingParams(repetition_penalty=1.05, logprobs=2)],
                          ids=["greedy", "seeded-top-k", "penalty-logprobs"])
-def test_self_int8_drafts_change_no_token(self_int8_runner, spec_runner, params):
+def test_self_int8_drafts_change_no_token(spec_runner, int8_draft, params):
     """The int8 self-draft's proposals, verified, give what the float32 target gives plainly: one
     sequence at a time, and 4 in each step (their draft KV kept between steps and caught up)."""
     plain = SpecDriver(spec_runner, params, 0)
     want = [plain.run([p], 20, seq0=400 + i)[0] for i, p in enumerate(LOOPY)]
-    driver = SpecDriver(self_int8_runner, params, 4)
-    assert [driver.run([p], 20, seq0=500 + i)[0] for i, p in enumerate(LOOPY)] == want
-    batched = SpecDriver(self_int8_runner, params, 3)
-    assert batched.run(LOOPY, 20, seq0=600) == want
+    with drafting(spec_runner, int8_draft) as runner:
+        driver = SpecDriver(runner, params, 4)
+        assert [driver.run([p], 20, seq0=500 + i)[0] for i, p in enumerate(LOOPY)] == want
+        batched = SpecDriver(runner, params, 3)
+        assert batched.run(LOOPY, 20, seq0=600) == want
     assert driver.accepted > 0 and batched.accepted > 0
     assert driver.short == 0  # a draft model fills every slot
 
@@ -133,36 +142,38 @@ def test_self_int8_drafts_change_no_token(self_int8_runner, spec_runner, params)
 def test_a_draft_of_the_target_itself_is_always_accepted_greedy(tiny_weights, spec_runner):
     """A float32 draft of the target's own weights proposes the target's argmax: every greedy draft
     is kept, which fails if the draft's KV (caught up lazily, fed drafts kept) were out of step."""
-    runner = _drafting_runner(tiny_weights, "float32", "float32")
     want = SpecDriver(spec_runner, SamplingParams(), 0).run(LOOPY, 24, seq0=700)
-    driver = SpecDriver(runner, SamplingParams(), 3)  # 4 rows of 1 + 3: the 16 LM-head rows of this runner
-    assert driver.run(LOOPY, 24, seq0=800) == want
+    with drafting(spec_runner, _draft(tiny_weights, spec_runner, "float32")) as runner:
+        driver = SpecDriver(runner, SamplingParams(), 3)  # 4 rows of 1 + 3: the 16 LM-head rows of this runner
+        assert driver.run(LOOPY, 24, seq0=800) == want
     steps = 1 + -(-23 // 4)  # the prefill, then 1 + 3 tokens a decode
     assert driver.accepted == len(LOOPY) * (24 - steps)
 
 
-def test_a_prompt_longer_than_a_steps_catch_up_drafts_once_it_has_caught_up(self_int8_runner, spec_runner):
+def test_a_prompt_longer_than_a_steps_catch_up_drafts_once_it_has_caught_up(spec_runner, int8_draft):
     """With 8 catch-up tokens a step, a 30-token prompt's first 4 decodes take no drafts (its draft KV
     fills 8 tokens a step while the sequence grows by one), then it drafts; the tokens equal plain
     decoding's."""
-    proposer = self_int8_runner.seqs.proposer
-    proposer.budget = 8
+    want = SpecDriver(spec_runner, SamplingParams(), 0).run([LOOPY[0]], 16, seq0=950)
+    budget, int8_draft.budget = int8_draft.budget, 8
     try:
-        want = SpecDriver(spec_runner, SamplingParams(), 0).run([LOOPY[0]], 16, seq0=950)
-        driver = SpecDriver(self_int8_runner, SamplingParams(), 3)
-        assert driver.run([LOOPY[0]], 16, seq0=960) == want
+        with drafting(spec_runner, int8_draft) as runner:
+            driver = SpecDriver(runner, SamplingParams(), 3)
+            assert driver.run([LOOPY[0]], 16, seq0=960) == want
     finally:
-        proposer.budget = 128
+        int8_draft.budget = budget
     assert driver.short == 4 and driver.accepted > 0
 
 
-def test_a_restarted_history_is_drafted_from_scratch(self_int8_runner):
+def test_a_restarted_history_is_drafted_from_scratch(spec_runner, int8_draft):
     """A sequence re-admitted from position 0 (preemption) forgets its draft KV: the proposer's state
     is gone, and the run still equals the first."""
-    driver = SpecDriver(self_int8_runner, SamplingParams(), 3)
-    first = driver.run([LOOPY[0]], 12, seq0=900)
-    assert 900 in self_int8_runner.seqs.proposer.cached
-    again = SpecDriver(self_int8_runner, SamplingParams(), 3).run([LOOPY[0]], 12, seq0=900)
+    with drafting(spec_runner, int8_draft) as runner:
+        first = SpecDriver(runner, SamplingParams(), 3).run([LOOPY[0]], 12, seq0=900)
+        assert int8_draft.cached[900].n > len(LOOPY[0])
+        SpecDriver(runner, SamplingParams(), 3).run([LOOPY[0] + first[-1][len(LOOPY[0]):]], 1, seq0=900)
+        assert 900 not in int8_draft.cached  # the re-admitted prompt (prompt + output) forgot it
+        again = SpecDriver(runner, SamplingParams(), 3).run([LOOPY[0]], 12, seq0=900)
     assert again == first
 
 
