@@ -91,7 +91,7 @@ class ServingConfig:
     kv_cache_memory: int = 0  # ours: KV pool bytes per agent with num_blocks auto (vLLM's KV space); 0 = what is left
     # ours: the memory plan's runtime per agent: MindSpore imported, its graphs built and run, oneDNN's
     # primitives (measured: docs/perf-notes.md)
-    runtime_memory: int = 600 << 20
+    runtime_memory: int = 720 << 20
     # pa_config
     num_blocks: int = 1024  # 0 = auto (common/memory.py sizes it before the agents load)
     block_size: int = 16

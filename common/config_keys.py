@@ -246,7 +246,8 @@ KEYS: list[Key] = [
     # ---------------------------------------------------------------- speculative_config (vLLM's names)
     Key(X, "method", "spec_method", lower,
         here="ours: speculative decoding (`--speculative-config '{\"method\": \"ngram\"}'`), drafts verified in the "
-             "same step, exactly (greedy and seeded output token for token as without; docs/protocol.md): `ngram` "
+             "same step, exactly (greedy and seeded output token for token as without, in float32: bfloat16 is not "
+             "batch-invariant, docs/benchmarks.md; docs/protocol.md): `ngram` "
              "drafts from the sequence's own prompt and output (prompt lookup); `self_int8` from the served weights "
              "quantised to int8 (a float model_dtype); `draft` from `draft_model_path`, a smaller model with the same "
              "tokenizer. Drafting runs on the agent. Unset: off. vLLM's other methods (`eagle`, `mtp`, ...) are "
