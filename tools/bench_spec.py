@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                     "\"num_speculative_tokens\": 3}; a mode started twice gets the median of all its runs "
                     "(alternating starts cancel the machine's drift)")
     ap.add_argument("--workloads", default="copy,random", help="copy, chat (ordinary questions), random")
+    ap.add_argument("--peer", help="URL[,model]: measure this running OpenAI server (vLLM with its own "
+                    "--speculative-config, say) on the same requests instead of starting ours")
     ap.add_argument("--repeats", type=int, default=1, help="runs per point and server start")
     args = ap.parse_args(argv)
     base, model = server_process.endpoint(args.config)
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     starts = [m.strip() for m in args.modes.split(";")]
     modes = list(dict.fromkeys(starts))
     loads = workloads(batches, args.output_len, args.workloads.split(","), args.config)
+    if args.peer:
+        return measure_peer(args.peer, loads)
     runs: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     texts: dict[tuple[str, int, str], list[str]] = {}
     for i, mode in enumerate(starts):
@@ -143,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     rows = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
     report(rows, texts, modes, loads, model, args)
+    return 0
+
+
+def measure_peer(peer: str, loads: dict[tuple[str, int], list[BenchRequest]]) -> int:
+    url, _, model = peer.partition(",")
+    measure(url, model or "bench", random_dataset(2, 8, 8, seed=0), 2)  # warm its HTTP path
+    print(f"| workload | B | server | TPOT ms | output tok/s |\n|---|---|---|---|---|")
+    for (kind, b), reqs in loads.items():
+        row, _ = measure(url, model or "bench", reqs, b)
+        print(f"| {kind} | {b} | {url} | {row['tpot_ms']:.2f} | {row['tok_s']:.1f} |", flush=True)
     return 0
 
 
