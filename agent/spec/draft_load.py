@@ -61,7 +61,10 @@ def load_draft(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, target_tok
         raise ConfigError(f"speculative_config.draft_model_path {cfg.spec_draft_model}: {why}; a draft needs the "
                           "target's tokenizer")
     drc = replace(rc, model_dtype=dtype, lora=(0, 0), tp=Group())
-    runner = ModelRunner(model_cfg, weights, drc, calibration=tok.encode(CALIBRATION_TEXT) if dtype == "int8" else None)
+    try:
+        runner = ModelRunner(model_cfg, weights, drc, calibration=tok.encode(CALIBRATION_TEXT) if dtype == "int8" else None)
+    except ValueError as exc:  # e.g. int8 drafts without the native kernels
+        raise ConfigError(f"speculative_config.method = {cfg.spec_method}: its draft cannot run here: {exc}") from None
     log.info("speculative %s: draft %s (%d layers, hidden %d) in %s, %.0f MiB of weights, KV %.0f MiB",
              cfg.spec_method, files.path, model_cfg.num_layers, model_cfg.hidden_size, dtype,
              runner.model.weight_bytes / 2**20, runner.model.kv_cache_bytes / 2**20)
