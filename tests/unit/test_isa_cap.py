@@ -23,7 +23,11 @@ def test_each_level_keeps_the_flags_of_its_kind_and_the_int8_recipe_follows(cap,
 
 
 def test_the_cap_reaches_every_reader(monkeypatch):
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    # set, then deleted: monkeypatch records the value it had (none) and restores it after the test.
+    # A bare delenv of an unset variable records nothing, and apply_isa_cap's "AVX2" then outlived
+    # the test: agents a later test in this worker started ran oneDNN capped under uncapped flags.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setenv(ISA_ENV, "AVX2")  # any case
     assert not {f for f in cpu_flags() if f.startswith(("avx512", "amx"))} and "avx_vnni" not in cpu_flags()
     assert "-mno-avx512f" in compiler_isa_flags()
@@ -35,6 +39,13 @@ def test_the_cap_reaches_every_reader(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # one the user set is kept
     apply_isa_cap()
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
+
+
+def test_no_onednn_cap_outlives_the_test_above():
+    """Runs after it in this file (the suite's workers take whole files): nothing it set is left."""
+    import os
+
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ or os.environ.get(ISA_ENV)
 
 
 def test_amx_is_no_cap_at_all(monkeypatch):
