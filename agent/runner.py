@@ -20,7 +20,7 @@ from agent.grammar import Grammars
 from agent.sampling import sample, score
 from agent.sequences import SequenceState
 from agent.spec.verify import heads, verify, without_unfilled, write_drafts
-from agent.tensor_parallel import shard
+from agent.tensor_parallel import shard, shard_adapter
 from common.memory import kv_dtype_for
 from shm.step import StepInputs, StepOutputs, StepView
 
@@ -41,6 +41,8 @@ class ModelRunner:
         self.lib = lib = kernels.library() if rc.native_kernels else None
         self.native_kernels = lib is not None
         int8 = rc.model_dtype == "int8"
+        if lora is not None:  # tensor parallel: each adapter split as its base projections are
+            lora.adapters = [shard_adapter(a, model_cfg, rc.tp) for a in lora.adapters]
         ranges = activation_ranges(model_cfg, weights, calibration) if int8 and calibration else None
         backend = Backend(rc.model_dtype, lib, kv_dtype_for(rc.kv_cache_dtype, rc.model_dtype, lib is not None),
                           rc.int8_group, ranges, rc.tp.size, lora)
@@ -220,7 +222,7 @@ class ModelRunner:
             raise ValueError(f"LoRA slot {slot}: this model has {self.lora_slots} (serving_config.max_loras)")
         if adapter is not None and adapter.rank > self.lora.rank:
             raise ValueError(f"LoRA adapter {adapter.name}: rank {adapter.rank} is over max_lora_rank {self.lora.rank}")
-        write_slot(self.model, self.lora, slot, adapter)
+        write_slot(self.model, self.lora, slot, shard_adapter(adapter, self.cfg, self.rc.tp))
 
     def reset(self) -> None:
         self.seqs.reset()

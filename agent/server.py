@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 
 from agent.kv_handover import Handovers
-from agent.lora.peft import AdapterError, read_adapter
+from agent.lora import AdapterError, read_adapter
 from agent.runner_config import graph_for
 from common.procs import pid_alive, rss_bytes
 from shm import protocol as P

@@ -190,21 +190,54 @@ def stop_link(companion: Any) -> None:
         companion.join(5.0)
 
 
+@dataclass(frozen=True)
+class RankSlices:
+    """What rank `rank` of `size` holds of each projection: the query heads' rows (and the o
+    projection's inputs), its KV heads' rows, its FFN columns, its vocabulary rows."""
+    q: slice
+    kv: slice
+    ffn: slice
+    vocab: slice
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, size: int) -> "RankSlices":
+        hd, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q0 = rank * heads // size
+        kv0 = q0 // (heads // kv)  # the KV head of the rank's first query head
+        f, v = cfg.intermediate_size // size, padded_vocab(cfg.vocab_size, size) // size
+        return cls(slice(q0 * hd, (q0 + heads // size) * hd), slice(kv0 * hd, (kv0 + max(1, kv // size)) * hd),
+                   slice(rank * f, (rank + 1) * f), slice(rank * v, (rank + 1) * v))
+
+    def module(self, module: str) -> tuple[slice | None, slice | None]:
+        """(rows, columns) of a projection's [out, in] matrix this rank holds (None: all)."""
+        return {"q_proj": (self.q, None), "k_proj": (self.kv, None), "v_proj": (self.kv, None),
+                "o_proj": (None, self.q), "gate_proj": (self.ffn, None), "up_proj": (self.ffn, None),
+                "down_proj": (None, self.ffn)}[module]
+
+
+def shard_adapter(adapter: Any, cfg: ModelConfig, group: Group) -> Any:
+    """A LoRA adapter (agent.lora.peft.Adapter) as rank `group.rank` runs it, split as its base
+    projections are: B by output rows where the base splits its outputs (Q/K/V, gate/up), A by
+    input columns where it splits its inputs (o, down; each rank's (x·A)·B is then a partial sum
+    that the layer's all-reduce adds up with the base's)."""
+    if adapter is None or not group.parallel:
+        return adapter
+    slices = RankSlices.of(cfg, group.rank, group.size)
+    mats = {}
+    for (layer, module), (a, b) in adapter.mats.items():
+        rows, cols = slices.module(module)
+        mats[(layer, module)] = (np.ascontiguousarray(a[:, cols] if cols else a),
+                                 np.ascontiguousarray(b[rows] if rows else b))
+    return replace(adapter, mats=mats)
+
+
 class ShardedWeights(Mapping):
     """Hugging Face-named weights as rank `rank` of `size` sees them: each tensor sliced when it is
     read (a lazily loaded file keeps one full tensor in memory at a time)."""
 
     def __init__(self, weights: Mapping, cfg: ModelConfig, rank: int, size: int):
         self.w, self.cfg, self.rank, self.size = weights, cfg, rank, size
-        hd, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        q0 = rank * heads // size
-        self.q = slice(q0 * hd, (q0 + heads // size) * hd)
-        kv0 = q0 // (heads // kv)  # the KV head of the rank's first query head
-        self.kv = slice(kv0 * hd, (kv0 + max(1, kv // size)) * hd)
-        f = cfg.intermediate_size // size
-        self.ffn = slice(rank * f, (rank + 1) * f)
-        v = padded_vocab(cfg.vocab_size, size) // size
-        self.vocab = slice(rank * v, (rank + 1) * v)
+        self.slices = RankSlices.of(cfg, rank, size)
 
     def __iter__(self) -> Iterator[str]:
         yield from self.w
@@ -223,15 +256,16 @@ class ShardedWeights(Mapping):
             pad = padded_vocab(head.shape[0], self.size) - head.shape[0]
             if pad:  # zero rows: their logits are cut off after the gather
                 head = np.concatenate([head, np.zeros((pad, head.shape[1]), head.dtype)])
-            return np.ascontiguousarray(head[self.vocab])
+            return np.ascontiguousarray(head[self.slices.vocab])
         t = self.w[name]
-        for suffix, rows, cols in (("q_proj.weight", self.q, None), ("k_proj.weight", self.kv, None),
-                                   ("v_proj.weight", self.kv, None), ("o_proj.weight", None, self.q),
-                                   ("q_proj.bias", self.q, None), ("k_proj.bias", self.kv, None),
-                                   ("v_proj.bias", self.kv, None),
-                                   ("gate_proj.weight", self.ffn, None), ("up_proj.weight", self.ffn, None),
-                                   ("down_proj.weight", None, self.ffn)):
-            if name.endswith(suffix):
-                t = np.asarray(t)
-                return np.ascontiguousarray(t[rows] if rows is not None else t[:, cols])
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _MODULES and parts[-1] in ("weight", "bias"):
+            rows, cols = self.slices.module(parts[-2])
+            if parts[-1] == "bias" and rows is None:  # o/down biases are added once, after the all-reduce
+                return t
+            t = np.asarray(t)
+            return np.ascontiguousarray(t[rows] if rows is not None else t[:, cols])
         return t
+
+
+_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

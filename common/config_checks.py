@@ -49,9 +49,6 @@ def check_together(c: ServingConfig) -> None:
     clash = sorted(set(c.lora_modules) & {c.model_name, *c.model_aliases})
     if clash:
         raise ConfigError(f"serving_config.lora_modules: {clash} also name the base model")
-    if c.lora_enabled and (c.model_dtype == "int8" or c.tensor_parallel_size > 1):
-        raise ConfigError("serving_config.lora_modules: adapters are served on a float model_dtype (float32, bfloat16, "
-                          "float16) without tensor parallel")
     _check_roles(c)
     if c.num_blocks and (c.num_blocks - 1) * c.block_size < c.max_model_len:
         raise ConfigError(f"pa_config: {c.num_blocks - 1} usable blocks x block_size {c.block_size} hold "

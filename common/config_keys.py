@@ -231,9 +231,10 @@ KEYS: list[Key] = [
              "chats as `role: content` lines"),
     # ---------------------------------------------------------------- LoRA adapters (vLLM's names)
     Key(S, "lora_modules", "lora_modules", as_adapters,
-        here="ours: PEFT LoRA adapters served beside the base, `{name: folder}` (`--lora-modules name=folder`); a "
-             "request picks one by `model` (OpenAI), `adapter_id` (TGI) or `adapter` (the original's API). All are "
-             "loaded at start, each into a slot of every agent"),
+        here="ours: LoRA adapters served beside the base, `{name: path}` (`--lora-modules name=path`): a PEFT "
+             "folder or a llama.cpp LoRA GGUF (`.gguf`); a request picks one by `model` (OpenAI), `adapter_id` "
+             "(TGI) or `adapter` (the original's API). All are checked at start, the first `max_loras` loaded "
+             "into the slots of every agent"),
     Key(S, "enable_lora", "enable_lora", as_bool,
         here="ours (vLLM's `--enable-lora`): LoRA slots on the agents with no adapter at start; "
              "`POST /v1/load_lora_adapter` fills them (on whenever `lora_modules` is set)"),

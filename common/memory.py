@@ -111,12 +111,14 @@ def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
 
 def lora_bytes(s: ModelShape, slots: int, rank: int, dtype: str) -> int:
     """LoRA's share of the weights (agent/model/lora.py): per projection kind, every slot's A rows
-    (padded to 64-row blocks) in the projection's `dtype`, and its `rank` B rows in float32."""
+    in the projection's `dtype` (padded to 64-row blocks; int8: float32 beside it, unpadded), and
+    its `rank` B rows in float32."""
     per = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    pad = (lambda n: n) if dtype == "int8" else (lambda n: -(-n // 64) * 64)
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.inter
     total = 0
     for modules, n_in, n_out in ((3, h, q + 2 * kv), (1, q, h), (2, h, 2 * i), (1, i, h)):
-        total += -(-slots * rank * modules // 64) * 64 * n_in * per + slots * rank * n_out * 4
+        total += pad(slots * rank * modules) * n_in * per + slots * rank * n_out * 4
     return s.layers * total
 
 

@@ -2,7 +2,7 @@
 of rank R (tools/lora_adapter.py) loaded, under the same load: B requests all at once (random prompts,
 fixed output lengths), on the base model and spread evenly over the adapters.
 
-    python -m tools.bench_lora --config configs/smollm2.yaml --adapters 4 --rank 16
+    python -m tools.bench_lora --config configs/smollm2.yaml --adapters 4 --rank 16 [--dtype int8]
 
 Prints output tok/s of each run and its ratio to the base model served without adapters, and what
 the adapters add to the agent's weights (/stats).
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--starts", default="off;lora;off;lora", help="server starts in order (medians per mode)")
+    ap.add_argument("--dtype", default="float32", help="model_dtype of every start (int8: float adapters beside int8 rows)")
     args = ap.parse_args(argv)
     base, model = server_process.endpoint(args.config)
     folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, mode in enumerate(args.starts.split(";")):
         extra = ["--lora-modules", *(f"{n}={folder / n}" for n in names), "--max-loras", str(args.adapters),
                  "--max-lora-rank", str(args.rank)] if mode == "lora" else []
-        proc = server_process.start_server(["--config", args.config, *extra], Path(f"/tmp/bench_lora_{i}.log"))
+        proc = server_process.start_server(["--config", args.config, "--dtype", args.dtype, *extra],
+                                           Path(f"/tmp/bench_lora_{i}.log"))
         try:
             asyncio.run(_load(base, [model], 2, 8, 8))  # warm the HTTP path
             weights[mode] = _weights(base)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(runs: dict[str, list[float]], weights: dict[str, int], model: str, args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
     off = med["off/base"]
-    print(f"\nLoRA cost, {model} float32, {args.requests} x {args.input_len}/{args.output_len} all at once, "
+    print(f"\nLoRA cost, {model} {args.dtype}, {args.requests} x {args.input_len}/{args.output_len} all at once, "
           f"{args.adapters} adapters of rank {args.rank}, starts {args.starts} (medians); {time.strftime('%Y-%m-%d')}; "
           f"CPU: {describe()}")
     print("| server | requests on | output tok/s | vs no adapters |")

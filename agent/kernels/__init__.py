@@ -201,9 +201,11 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "linear_blocks": custom("LinearBlocks", lambda x, w: [x[0], w[0] * w[2]], same),
         "add_rms_linear": custom("AddRmsLinear", lambda x, d, e, w: (x, [x[0], w[0] * w[2]]), pair),
         "swiglu_linear": custom("SwiGluLinear", lambda gu, c, w: [gu[0], w[0] * w[2]], same),
-        "linear_i8": custom("LinearInt8", lambda x, w, sw, *_: [x[0], sw[0]], same),  # sw [N, groups]
-        "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, sw, *_: (x, [x[0], sw[0]]), pair),
-        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, c, w, sw, *_: [gu[0], sw[0]], same),
+        # sw [N, groups]; with LoRA, A [E, K] after g (then each token's slot): E columns more
+        "linear_i8": custom("LinearInt8", lambda x, w, sw, *a: [x[0], sw[0] + _rows(a[1:])], same),
+        "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, sw, *a: (x, [x[0], sw[0] + _rows(a[1:])]),
+                                    pair),
+        "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, c, w, sw, *a: [gu[0], sw[0] + _rows(a[1:])], same),
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu, c: [gu[0], gu[1] // 2], same),
@@ -212,8 +214,8 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         # inputs: qkv, cos, sin, positions, slots, k_cache, v_cache, context slots, token rows, prologue, the weights
         "rope_attention_linear": writes_memory(custom("RopeAttentionLinear", lambda qkv, *a: [qkv[0], a[9][0] * a[9][2]],
                                                       same)),
-        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8", lambda qkv, *a: [qkv[0], a[10][0]],
-                                                         same)),
+        "rope_attention_linear_i8": writes_memory(custom("RopeAttentionLinearInt8",
+                                                         lambda qkv, *a: [qkv[0], a[10][0] + _rows(a[12:])], same)),
         # inputs: x, the attention's shared 6, eps, the K and V caches, the prologues, each kind's weights: every
         # layer's stacked
         "decoder_stack": writes_memory(custom("DecoderStack", same, same)),
@@ -221,6 +223,11 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "all_reduce": custom("AllReduce", same, same),
         "all_gather": custom("AllGather", lambda x: [x[0], x[1] * tp_size], same),
     }
+
+
+def _rows(shrink: tuple) -> int:
+    """The columns an int8 op's optional LoRA A input [E, K] adds to its output (none: 0)."""
+    return shrink[0][0] if shrink else 0
 
 
 def pack_int8_channel(q: np.ndarray) -> np.ndarray:

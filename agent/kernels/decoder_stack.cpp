@@ -9,7 +9,8 @@
 //   caches, come stacked in one tensor [layers, ...] each: ~14-22 inputs, not 188 (fp32) or 428 (int8).
 // Tensor-parallel ranks (their partial sums are combined between the parts) and float weights
 // padded to whole blocks keep four ops a layer.
-// LoRA (agent/model/lora.py): each weight then has every adapter slot's A rows after its own, so
+// LoRA (agent/model/lora.py): each weight then has every adapter slot's A rows after its own (int8:
+// float A rows beside the int8 weight, linear_int8.cpp's Shrink), so
 // each call's output holds x·W and x·A of every slot; `Lora::expand` adds each token's own slot's
 // (x·A)·B to x·W and packs the rows back to x·W's width before the next call reads them.
 #include <algorithm>
@@ -52,7 +53,8 @@ struct Args {
 // rope table; where P has room for them, the gains of the norms on the attention's and the MLP's
 // outputs, applied before each residual add) [L, P]; then the
 // weights of Q|K|V, o, gate|up and down, `per` inputs each, every layer's stacked [L, ...] (`per`:
-// 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g, or oneDNN's packed bytes, sw [N, 1], g). Output: the final RMSNorm of
+// 1 for float blocks [N/64, K, 64]; 3 for int8 qw [N, Kp], sw, g, or oneDNN's packed bytes, sw [N, 1], g; 4 with
+// LoRA on int8: A [E, K] more). Output: the final RMSNorm of
 // the last layer's output [n, H] (its gain is folded into the LM head). With LoRA, 5 inputs more:
 // each token's slot, one-hot [n, slots] (zeros: none), and the expand rows of Q|K|V, o, gate|up
 // and down, [L, slots, rank, the kind's width] each.
@@ -74,6 +76,8 @@ struct Stack {
   int *ndims;
   int64_t **shapes;
   const char **dtypes;
+  void *mask = nullptr;  // int8 with LoRA: each token's slot, after each call's A (linear_int8.cpp's Shrink)
+  int64_t mask_shape[2] = {};
 
   // Whether every stacked input has `layers` slices of a known element type.
   bool valid() const {
@@ -89,11 +93,13 @@ struct Stack {
   }
   // Input index of input `j` of weight `kind` (0 Q|K|V, 1 o, 2 gate|up, 3 down).
   int weight(int kind, int j) const { return WEIGHTS + kind * per + j; }
-  void weights(Args &a, int kind, int64_t i) const {
+  void weights(Args &a, int kind, int64_t i) {
     for (int j = 0; j < per; ++j) slice(a, weight(kind, j), i);
+    if (per == 4) a.add(mask, 2, mask_shape, "float32");
   }
-  int64_t width(int kind) const {  // output columns of a weight of this kind (int8: rows of its scales)
+  int64_t width(int kind) const {  // output columns of a weight of this kind (int8: rows of its scales, A's)
     if (per == 3) return shapes[weight(kind, 1)][1];
+    if (per == 4) return shapes[weight(kind, 1)][1] + shapes[weight(kind, 3)][1];
     const int64_t *s = shapes[weight(kind, 0)] + 1;
     return s[0] * s[2];
   }
@@ -103,6 +109,7 @@ struct Stack {
 // fuses MODULES[k] modules (Q|K|V, o, gate|up, down); a slot's x·A columns are module by module,
 // `rank` each, and its B rows [rank, width] hold each module's B^T in that module's output columns.
 constexpr int64_t MODULES[4] = {3, 1, 2, 1};
+constexpr int64_t MAX_RANK = 256;  // max_lora_rank's bound (common/config_keys.py)
 
 struct Lora {
   bool on = false;
@@ -122,6 +129,7 @@ struct Lora {
       const int in = first + 1 + k;
       if (ndims[in] != 4 || shapes[in][0] != st.layers || shapes[in][1] != slots) return false;
       b[k] = static_cast<const float *>(params[in]), rank[k] = shapes[in][2], out[k] = shapes[in][3];
+      if (rank[k] > MAX_RANK) return false;
       if (out[k] + slots * MODULES[k] * rank[k] > st.width(k)) return false;
     }
     const int64_t q = out[0] - 2 * kv_width, i = out[2] / 2;
@@ -139,7 +147,7 @@ struct Lora {
   void expand(float *y, int64_t n, int64_t stride, int k, int64_t layer) const {
     if (!on) return;
     constexpr int64_t CHUNK = 256;
-    const int64_t w = out[k], r = rank[k], per_slot = MODULES[k] * r;
+    const int64_t per_slot = MODULES[k] * rank[k];
     thread_local std::vector<std::vector<int64_t>> tokens;
     tokens.assign(slots, {});
     for (int64_t t = 0; t < n; ++t)
@@ -160,29 +168,63 @@ struct Lora {
     kernels::parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t it = begin; it < end; ++it) {
         const Item &c = work[it];
-        const float *bs = b[k] + (layer * slots + c.s) * r * w;
-        for (int64_t t : by_slot[c.s]) {
-          float *row = y + t * stride;
-          const float *u = row + w + c.s * per_slot + c.m * r;
-          const float on_s = mask[t * slots + c.s];
-          for (int64_t j = 0; j < r; ++j) {
-            const float coef = u[j] * on_s;
-            if (coef == 0.f) continue;  // a rank below the slot's: its rows are zeros
-            const float *bj = bs + j * w;
-            for (int64_t o = c.begin; o < c.end; ++o) row[o] += coef * bj[o];
-          }
-        }
+        const std::vector<int64_t> &ts = by_slot[c.s];
+        Rows rows{y, stride, out[k], c.s * per_slot + c.m * rank[k], c.s, slots, mask};
+        const float *bs = b[k] + (layer * slots + c.s) * rank[k] * out[k];
+        size_t i = 0;
+        for (; i + 4 <= ts.size(); i += 4) rows.add<4>(&ts[i], bs, rank[k], c.begin, c.end);
+        for (; i < ts.size(); ++i) rows.add<1>(&ts[i], bs, rank[k], c.begin, c.end);
       }
     });
-    for (int64_t t = 1; t < n; ++t) std::memmove(y + t * w, y + t * stride, w * sizeof(float));
+    for (int64_t t = 1; t < n; ++t) std::memmove(y + t * out[k], y + t * stride, out[k] * sizeof(float));
   }
+
+  // NT tokens' rows of y: columns [begin, end) += sum over j of u[j] x B row j, in 16-column blocks
+  // whose NT x 16 sums stay in registers across the rank (each B row loaded once for NT tokens).
+  // A column at a time in place (rank-1 updates of the whole row chunk) ran ~3x slower: every update
+  // loaded and stored the row again.
+  struct Rows {
+    float *y;
+    int64_t stride, w, u0, s, slots;
+    const float *mask;
+
+    template <int NT>
+    void add(const int64_t *ts, const float *bs, int64_t r, int64_t begin, int64_t end) const {
+      constexpr int64_t OB = 16;
+      float *row[NT];
+      float coef[NT][MAX_RANK];  // the slot's x·A times its mask
+      for (int a = 0; a < NT; ++a) {
+        row[a] = y + ts[a] * stride;
+        const float on_s = mask[ts[a] * slots + s];
+        for (int64_t j = 0; j < r; ++j) coef[a][j] = row[a][w + u0 + j] * on_s;
+      }
+      int64_t o = begin;
+      for (; o + OB <= end; o += OB) {
+        float acc[NT][OB];
+        for (int a = 0; a < NT; ++a)
+          for (int64_t c = 0; c < OB; ++c) acc[a][c] = row[a][o + c];
+        for (int64_t j = 0; j < r; ++j) {
+          const float *bj = bs + j * w + o;
+          for (int a = 0; a < NT; ++a)
+            for (int64_t c = 0; c < OB; ++c) acc[a][c] += coef[a][j] * bj[c];
+        }
+        for (int a = 0; a < NT; ++a)
+          for (int64_t c = 0; c < OB; ++c) row[a][o + c] = acc[a][c];
+      }
+      for (; o < end; ++o)
+        for (int a = 0; a < NT; ++a)
+          for (int64_t j = 0; j < r; ++j) row[a][o] += coef[a][j] * bs[j * w + o];
+    }
+  };
 };
 
 int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_linear, Op *add_rms, int nparam,
                   void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra) {
   const int inputs = nparam - 1, plain = WEIGHTS + 4 * per;
-  if (ndims[0] != 2 || (inputs != plain && inputs != plain + 5) || ndims[K_CACHE] < 1) return 1;
-  const Stack st{per, shapes[K_CACHE][0], params, ndims, shapes, dtypes};
+  if (ndims[0] != 2 || (inputs != plain && inputs != plain + 5) || (per == 4 && inputs == plain) ||
+      ndims[K_CACHE] < 1)
+    return 1;
+  Stack st{per, shapes[K_CACHE][0], params, ndims, shapes, dtypes};
   if (!st.valid() || (per == 1 ? ndims[st.weight(0, 0)] != 4 : ndims[st.weight(0, 1)] != 3)) return 1;
   const int64_t padded = shapes[0][0], h = shapes[0][1];
   Lora lora;
@@ -205,6 +247,7 @@ int decoder_stack(int per, Op *attention_linear, Op *add_rms_linear, Op *swiglu_
   int64_t real = padded;
   while (real > 1 && slot[real - 1] == 0) --real;
   const int64_t n = std::min(kernels::row_bucket(real), padded);
+  if (per == 4) st.mask = params[plain], st.mask_shape[0] = n, st.mask_shape[1] = shapes[plain][1];
   float *out = static_cast<float *>(params[nparam - 1]);
   std::fill(out + n * h, out + padded * h, 0.f);
   thread_local kernels::line_vector<float> x, mid, attn, gu, delta, qkv;
@@ -295,10 +338,10 @@ int DecoderStack(int nparam, void **params, int *ndims, int64_t **shapes, const 
                        dtypes, stream, extra);
 }
 
-// int8 weights: qw, sw, g for each.
+// int8 weights: qw, sw, g for each; with LoRA, each kind's float A rows after them (linear_int8.cpp's Shrink).
 int DecoderStackInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                      void *extra) {
-  return decoder_stack(3, RopeAttentionLinearInt8, AddRmsLinearInt8, SwiGluLinearInt8, AddRmsNorm, nparam, params,
+  return decoder_stack(nparam - 1 == WEIGHTS + 4 * 3 ? 3 : 4, RopeAttentionLinearInt8, AddRmsLinearInt8, SwiGluLinearInt8, AddRmsNorm, nparam, params,
                        ndims, shapes, dtypes, stream, extra);
 }
 }

@@ -111,8 +111,9 @@ extern "C" int RopeAttentionLinear(int nparam, void **params, int *ndims, int64_
   return nparam == ATTN_INPUTS + 2 ? attention_then(LinearBlocks, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
 }
 
-// The same with an int8 output projection. Inputs: RopeAttention's 10, then qw, sw, g. Output: [n, N].
+// The same with an int8 output projection. Inputs: RopeAttention's 10, then qw, sw, g (and with LoRA, A and
+// the tokens' slots: linear_int8.cpp's Shrink). Output: [n, N (+ E)].
 extern "C" int RopeAttentionLinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                        void *stream, void *extra) {
-  return nparam == ATTN_INPUTS + 4 ? attention_then(LinearInt8, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
+  return nparam >= ATTN_INPUTS + 4 && nparam <= ATTN_INPUTS + 6 ? attention_then(LinearInt8, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
 }

@@ -28,6 +28,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include "buffers.h"
+#include "dnnl.h"
 #include "int8_channel.h"
 #include "parallel.h"
 #include "rows.h"
@@ -490,7 +492,7 @@ void token_block(const int8_t *qx, const float *sx, Channels c, Shape s, int64_t
 // rows or fewer, every pass).
 template <bool U>
 void channel_block(int64_t m, const int8_t *qx, const float *sx, Channels c, Shape s, int64_t n0, int64_t n1,
-                   float *y, int64_t n) {
+                   float *y, int64_t n, int64_t ldy) {
   const bool one_row = m <= STREAM_M;
   const int64_t tail = m % TILE_M == 1 && m > TILE_M ? TILE_M + 1 : m % TILE_M;
   Ahead none, next;
@@ -501,7 +503,7 @@ void channel_block(int64_t m, const int8_t *qx, const float *sx, Channels c, Sha
     next.per = tiles > 0 ? (next.lines + tiles - 1) / tiles : 0;
   }
   auto run = [&](auto mb, int64_t i) {
-    token_block<decltype(mb)::value, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * n, n, one_row,
+    token_block<decltype(mb)::value, U>(qx + i * s.kp, sx + i * s.ng, c, s, n0, n1, y + i * ldy, ldy, one_row,
                                         i == 0 ? none : next);
     c.pf = one_row;  // a channel at a time, each pass streams its block again
   };
@@ -531,6 +533,47 @@ bool weight_shape(int nparam, int w, int64_t **shapes, const char **dtypes, int6
   return s->ng % LANES == 0 && s->gs % 4 == 0 && s->kp >= k && s->kp - k < LANES * s->gs;
 }
 
+// LoRA's shrink on an int8 base (agent/model/lora.py): every adapter slot's A rows, float32 [e, k]
+// after the weight's inputs (slot s's e / slots rows in turn), times the projection's float input as
+// it is before quantisation, into the output's columns n.. n + e: an int8 base serves its adapters
+// in float, as they were trained. With each token's slot one-hot [m, slots] after A (as the decoder
+// stack passes it), a token gets its own slot's columns alone (the others zeros), a step of the base
+// model none: every slot for every token cost SmolLM2's int8 steps 0.86x of their time.
+struct Shrink {
+  const float *a = nullptr;
+  int64_t e = 0;
+  const float *mask = nullptr;  // none: every slot's columns for every token
+  int64_t slots = 0;
+
+  int64_t slot(int64_t t) const {  // token t's slot, -1: none
+    for (int64_t s = 0; s < slots; ++s)
+      if (mask[t * slots + s] != 0.f) return s;
+    return -1;
+  }
+  bool any(int64_t m) const {
+    if (!e || !mask) return e > 0;
+    for (int64_t t = 0; t < m; ++t)
+      if (slot(t) >= 0) return true;
+    return false;
+  }
+};
+
+// The op's inputs at w (qw, sw, g), then with one input more A, with two A and the tokens' slots.
+bool weights_at(int nparam, int w, int64_t **shapes, const char **dtypes, int64_t m, int64_t k, int plain, Shape *s,
+                int64_t *n, Shrink *sh, void **params) {
+  if (nparam == plain + 1 || nparam == plain + 2) {
+    if (std::strcmp(dtypes[w + 3], "float32") || shapes[w + 3][1] != k) return false;
+    *sh = Shrink{static_cast<const float *>(params[w + 3]), shapes[w + 3][0]};
+  } else if (nparam != plain) {
+    return false;
+  }
+  if (nparam == plain + 2) {
+    sh->mask = static_cast<const float *>(params[w + 4]), sh->slots = shapes[w + 4][1];
+    if (std::strcmp(dtypes[w + 4], "float32") || shapes[w + 4][0] < m || sh->slots < 1 || sh->e % sh->slots) return false;
+  }
+  return weight_shape(nparam, w, shapes, dtypes, k, s, n);
+}
+
 // Row x[0..k) * g quantised to s8 with one scale, max|x * g| / 127 (per token). Vectorised as
 // quantize_row, with the same operations (cvtps rounds to nearest even, as nearbyint does).
 void quantize_token(const float *x, const float *g, int64_t k, int8_t *q, float *scale) {
@@ -548,39 +591,103 @@ void quantize_token(const float *x, const float *g, int64_t k, int8_t *q, float 
   *scale = amax / 127.f;
 }
 
-// The per-channel recipe: tokens quantised whole, oneDNN's int8 matmul, then each row times its scale.
-template <typename Row>
-int channel_gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, int64_t n, float *y, Row row) {
-  kernels::line_vector<int8_t> qx(m * k);
-  std::vector<float> sx(m);
-  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(k);
-    for (int64_t i = b; i < e; ++i) quantize_token(row(i, buf.data()), g, k, &qx[i * k], &sx[i]);
+// y[:, n:n + e] (row stride ldy) = xf [m, k] @ A^T: with the tokens' slots, each token's own slot's
+// rows of A, its tokens gathered 16 at a time into one sgemm; else every row, a share per thread.
+int shrink(int64_t m, int64_t k, const float *xf, Shrink sh, float *y, int64_t ldy) {
+  std::atomic<int> failed{0};
+  if (!sh.mask) {
+    kernels::parallel_ranges(m, 8, [&](int64_t b, int64_t e) {
+      if (dnnl_sgemm('N', 'T', e - b, sh.e, k, 1.f, xf + b * k, k, sh.a, k, 0.f, y + b * ldy, ldy)) failed = 1;
+    });
+    return failed.load();
+  }
+  constexpr int64_t CHUNK = 16;
+  const int64_t per = sh.e / sh.slots;
+  std::vector<std::vector<int64_t>> by_slot(sh.slots);
+  for (int64_t t = 0; t < m; ++t) {
+    std::fill(y + t * ldy, y + t * ldy + sh.e, 0.f);
+    if (const int64_t s = sh.slot(t); s >= 0) by_slot[s].push_back(t);
+  }
+  std::vector<std::pair<int64_t, int64_t>> items;  // (slot, first of its tokens)
+  for (int64_t s = 0; s < sh.slots; ++s)
+    for (int64_t i = 0; i < static_cast<int64_t>(by_slot[s].size()); i += CHUNK) items.emplace_back(s, i);
+  kernels::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    thread_local std::vector<float> rows, out;  // this worker's
+    rows.resize(CHUNK * k), out.resize(CHUNK * per);
+    for (int64_t it = b; it < e; ++it) {
+      const auto [s, first] = items[it];
+      const int64_t c = std::min<int64_t>(CHUNK, by_slot[s].size() - first);
+      for (int64_t j = 0; j < c; ++j) std::memcpy(&rows[j * k], xf + by_slot[s][first + j] * k, k * sizeof(float));
+      if (dnnl_sgemm('N', 'T', c, per, k, 1.f, rows.data(), k, sh.a + s * per * k, k, 0.f, out.data(), per)) failed = 1;
+      for (int64_t j = 0; j < c; ++j)
+        std::memcpy(y + by_slot[s][first + j] * ldy + s * per, &out[j * per], per * sizeof(float));
+    }
   });
-  if (kernels::int8_channel_matmul(qx.data(), m, k, qw, sw, n, y)) return 1;
-  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      for (int64_t j = 0; j < n; ++j) y[i * n + j] *= sx[i];
-  });
+  return failed.load();
+}
+
+// A step no token of which uses a slot: its shrink columns are zeros.
+int zero_columns(int64_t m, int64_t e, float *y, int64_t ldy) {
+  for (int64_t t = 0; t < m && e; ++t) std::fill(y + t * ldy, y + t * ldy + e, 0.f);
   return 0;
 }
 
-// y [m, n] = quantised rows @ qw^T, where row(i, buf) returns token i's k inputs (x itself, or
-// computed into buf: the element-wise op before the projection, fused into its quantisation pass).
+// The per-channel recipe: tokens quantised whole, oneDNN's int8 matmul, then each row times its scale
+// (with a shrink, from a buffer into rows of n + e).
 template <typename Row>
-int gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, Shape s, int64_t n, float *y, Row row) {
-  if (s.channel) return channel_gemm(m, k, qw, sw, g, n, y, row);
+int channel_gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, int64_t n, float *y,
+                 Shrink sh, Row row) {
+  kernels::line_vector<int8_t> qx(m * k);
+  const bool lora = sh.any(m);
+  std::vector<float> sx(m);
+  // this caller's (a call's workers read them): a buffer of a step's rows a call, new pages each time
+  // (past malloc's mmap threshold), cost a 64-row step ~5% in page faults
+  thread_local std::vector<float> xf, own;
+  xf.resize(lora ? m * k : 0), own.resize(sh.e ? m * n : 0);
+  float *rows = xf.data();  // the workers' lambdas would name their own thread_local
+  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(k);
+    for (int64_t i = b; i < e; ++i) {
+      const float *r = row(i, buf.data());
+      quantize_token(r, g, k, &qx[i * k], &sx[i]);
+      if (lora) std::memcpy(rows + i * k, r, k * sizeof(float));
+    }
+  });
+  float *yi = sh.e ? own.data() : y;
+  if (kernels::int8_channel_matmul(qx.data(), m, k, qw, sw, n, yi)) return 1;
+  const int64_t ld = n + sh.e;
+  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t j = 0; j < n; ++j) y[i * ld + j] = yi[i * n + j] * sx[i];
+  });
+  return lora ? shrink(m, k, rows, sh, y + n, ld) : zero_columns(m, sh.e, y + n, ld);
+}
+
+// y [m, n (+ e)] = quantised rows @ qw^T (then the shrink), where row(i, buf) returns token i's k inputs
+// (x itself, or computed into buf: the element-wise op before the projection, fused into its quantisation pass).
+template <typename Row>
+int gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g, Shape s, int64_t n, float *y,
+         Shrink sh, Row row) {
+  if (s.channel) return channel_gemm(m, k, qw, sw, g, n, y, sh, row);
   // Per call, not per thread: MindSpore may run two projections at once (each then owns its buffers).
   kernels::line_vector<int8_t> qx(m * s.kp);  // rows of Kp bytes (a multiple of 32), each 32-byte load in one line
+  const bool lora = sh.any(m);
   std::vector<float> sx(m * s.ng);
+  thread_local std::vector<float> xf;  // as channel_gemm's
+  xf.resize(lora ? m * k : 0);
+  float *rows = xf.data();
   // Unsigned activations (OFFSET) from 4 tokens up: below, the compensation pass costs more than
   // the sign operations it saves (a decode step streams the weights once, at memory speed).
   const bool offset = OFFSET && m >= 4;
   kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
     std::vector<float> buf(k);
-    for (int64_t i = b; i < e; ++i)
-      quantize_row(row(i, buf.data()), g, k, s, offset, &qx[i * s.kp], &sx[i * s.ng]);
+    for (int64_t i = b; i < e; ++i) {
+      const float *r = row(i, buf.data());
+      quantize_row(r, g, k, s, offset, &qx[i * s.kp], &sx[i * s.ng]);
+      if (lora) std::memcpy(rows + i * k, r, k * sizeof(float));
+    }
   });
+  const int64_t ld = n + sh.e;
   // One cache block a chunk: the last chunk is short, so the caller rarely waits on a worker.
   kernels::parallel_chunks(n, NBLK, [&](int64_t b, int64_t e) {
     std::vector<int32_t> comp(offset ? NBLK * s.ng : 0);
@@ -590,69 +697,74 @@ int gemm(int64_t m, int64_t k, const int8_t *qw, const float *sw, const float *g
       if (offset) {
 #if OFFSET
         compensate(qw + n0 * s.kp, s, n1 - n0, comp.data());  // the block stays in cache for the tiles
-        channel_block<true>(m, qx.data(), sx.data(), c, s, n0, n1, y, n);
+        channel_block<true>(m, qx.data(), sx.data(), c, s, n0, n1, y, n, ld);
 #endif
       } else {
-        channel_block<false>(m, qx.data(), sx.data(), c, s, n0, n1, y, n);
+        channel_block<false>(m, qx.data(), sx.data(), c, s, n0, n1, y, n, ld);
       }
     }
   });
-  return 0;
+  return lora ? shrink(m, k, rows, sh, y + n, ld) : zero_columns(m, sh.e, y + n, ld);
 }
 
 }  // namespace
 
-// Inputs: x [M, K], qw, sw, g. Output: y [M, N].
+// Inputs: x [M, K], qw, sw, g, and with LoRA A [E, K] (and the tokens' slots [M, S]: Shrink). Output: y [M, N (+ E)].
 extern "C" int LinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1];
   Shape s;
+  Shrink sh;
   int64_t n;
-  if (nparam != 5 || std::strcmp(dtypes[0], "float32") || !weight_shape(nparam, 1, shapes, dtypes, k, &s, &n)) return 1;
+  if (std::strcmp(dtypes[0], "float32") || !weights_at(nparam, 1, shapes, dtypes, m, k, 5, &s, &n, &sh, params)) return 1;
   const float *x = static_cast<const float *>(params[0]);
   return gemm(m, k, static_cast<const int8_t *>(params[1]), static_cast<const float *>(params[2]),
-       static_cast<const float *>(params[3]), s, n, static_cast<float *>(params[4]),
-       [&](int64_t i, float *) { return x + i * k; });
+              static_cast<const float *>(params[3]), s, n, static_cast<float *>(params[nparam - 1]), sh,
+              [&](int64_t i, float *) { return x + i * k; });
 }
 
 // The residual add and RMSNorm (fused.cpp's AddRmsNorm) feeding the next projection: one op
-// instead of two per norm. Inputs: x [M, K], delta [M, K], eps [1], qw, sw, g.
-// Outputs: sum = x + delta [M, K], y = rms(sum) @ w^T [M, N].
+// instead of two per norm. Inputs: x [M, K], delta [M, K], eps [1], qw, sw, g (, A (, slots)).
+// Outputs: sum = x + delta [M, K], y = rms(sum) @ w^T [M, N (+ E)].
 extern "C" int AddRmsLinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                 void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1];
   Shape s;
+  Shrink sh;
   int64_t n;
-  if (nparam != 8 || std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], "float32") ||
-      !weight_shape(nparam, 3, shapes, dtypes, k, &s, &n))
+  if (std::strcmp(dtypes[0], "float32") || std::strcmp(dtypes[1], "float32") ||
+      !weights_at(nparam, 3, shapes, dtypes, m, k, 8, &s, &n, &sh, params))
     return 1;
   const float *x = static_cast<const float *>(params[0]), *delta = static_cast<const float *>(params[1]);
   const float eps = *static_cast<const float *>(params[2]);
-  float *sum = static_cast<float *>(params[6]);
+  float *sum = static_cast<float *>(params[nparam - 2]);
   return gemm(m, k, static_cast<const int8_t *>(params[3]), static_cast<const float *>(params[4]),
-       static_cast<const float *>(params[5]), s, n, static_cast<float *>(params[7]), [&](int64_t i, float *buf) {
-         kernels::add_rms_row(x + i * k, delta + i * k, eps, k, sum + i * k, buf);
-         return static_cast<const float *>(buf);
-       });
+              static_cast<const float *>(params[5]), s, n, static_cast<float *>(params[nparam - 1]), sh,
+              [&](int64_t i, float *buf) {
+                kernels::add_rms_row(x + i * k, delta + i * k, eps, k, sum + i * k, buf);
+                return static_cast<const float *>(buf);
+              });
 }
 
 // SwiGLU or GeGLU (fused.cpp's SwiGlu) feeding the down projection. Inputs: gu [M, 2K] (gate | up),
-// the norm constants [eps, activation], qw, sw, g. Output: y = (act(gate) * up) @ w^T [M, N].
+// the norm constants [eps, activation], qw, sw, g (, A (, slots)). Output: y = (act(gate) * up) @ w^T [M, N (+ E)].
 extern "C" int SwiGluLinearInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                 void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1] / 2;
   Shape s;
+  Shrink sh;
   int64_t n;
-  if (nparam != 6 || std::strcmp(dtypes[0], "float32") || shapes[1][0] < 2 ||
-      !weight_shape(nparam, 2, shapes, dtypes, k, &s, &n))
+  if (std::strcmp(dtypes[0], "float32") || shapes[1][0] < 2 ||
+      !weights_at(nparam, 2, shapes, dtypes, m, k, 6, &s, &n, &sh, params))
     return 1;
   const float *gu = static_cast<const float *>(params[0]);
   const float act = static_cast<const float *>(params[1])[1];
   return gemm(m, k, static_cast<const int8_t *>(params[2]), static_cast<const float *>(params[3]),
-       static_cast<const float *>(params[4]), s, n, static_cast<float *>(params[5]), [&](int64_t i, float *buf) {
-         kernels::gated_row(gu + i * 2 * k, k, buf, act);
-         return static_cast<const float *>(buf);
-       });
+              static_cast<const float *>(params[4]), s, n, static_cast<float *>(params[nparam - 1]), sh,
+              [&](int64_t i, float *buf) {
+                kernels::gated_row(gu + i * 2 * k, k, buf, act);
+                return static_cast<const float *>(buf);
+              });
 }
 
 // Which int8 path this build runs (the agent logs it and reports it; benchmarks print it).

@@ -1,14 +1,23 @@
-"""LoRA adapters on the agent: the PEFT folders of serving_config.lora_modules read and checked
-(peft.py), each in its slot of the model (agent/model/lora.py)."""
+"""LoRA adapters on the agent: the PEFT folders (peft.py) or llama.cpp GGUFs (gguf_lora.py) of
+serving_config.lora_modules read and checked, each in its slot of the model (agent/model/lora.py)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from agent.lora.peft import AdapterError, read_adapter
+from agent.lora.gguf_lora import read_gguf_adapter
+from agent.lora.peft import Adapter, AdapterError, read_peft_adapter
 from agent.model_config import ModelConfig
 from common.config import ServingConfig
 
-__all__ = ["AdapterError", "lora_slots"]
+__all__ = ["AdapterError", "lora_slots", "read_adapter"]
+
+
+def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> Adapter:
+    """Adapter `name` for base `cfg` from a llama.cpp LoRA GGUF (a .gguf file) or a PEFT folder."""
+    if Path(path).suffix == ".gguf":
+        return read_gguf_adapter(name, path, cfg, max_rank)
+    return read_peft_adapter(name, path, cfg, max_rank)
 
 
 def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:

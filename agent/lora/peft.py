@@ -72,7 +72,7 @@ def _tensors(folder: Path) -> dict[str, Any]:
     return dict(read_safetensors(path))  # bfloat16 too (numpy has no bfloat16 type)
 
 
-def read_adapter(name: str, folder: str | Path, cfg: ModelConfig, max_rank: int) -> Adapter:
+def read_peft_adapter(name: str, folder: str | Path, cfg: ModelConfig, max_rank: int) -> Adapter:
     """Adapter `name` from a PEFT folder, for base model `cfg`; ranks above `max_rank` refused."""
     folder = Path(folder)
     c = _config(folder)

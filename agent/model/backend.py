@@ -33,7 +33,7 @@ class Backend:
     int8_group: int = QUANT_GROUP_SIZE
     ranges: dict[str, list[np.ndarray]] | None = None  # agent.model.calibrate's activation ranges (int8)
     tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
-    lora: Any = None  # agent.model.lora.LoraSlots: the adapters' A rows join the projections (float weights)
+    lora: Any = None  # agent.model.lora.LoraSlots: the adapters' A rows join the projections (int8: beside them)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -46,9 +46,6 @@ class Backend:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)} or auto")
         if self.tp_size > 1 and self.dtype == "int8":
             raise ValueError("tensor_parallel_size > 1 runs a float model_dtype (float32, bfloat16, float16)")
-        if self.lora is not None and (self.dtype == "int8" or self.tp_size > 1):
-            raise ValueError("LoRA adapters (lora_modules) are served on a float model_dtype (float32, bfloat16, "
-                             "float16) without tensor parallel")
         if self.kv_dtype not in PLAIN_DTYPES and self.lib is None:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads "
                              "bfloat16 and int8 KV there); the plain-MindSpore path keeps float32 or float16")
@@ -80,7 +77,7 @@ class Backend:
 
     def widths(self, cfg: ModelConfig) -> dict[str, int]:
         """Output columns of each projection kind on this rank (with LoRA, its adapters' A rows too)."""
-        extra = (lambda kind: self.lora.extra(kind)) if self.lora is not None else (lambda kind: 0)
+        extra = (lambda kind: self.lora.extra(kind, self.dtype != "int8")) if self.lora is not None else (lambda kind: 0)
         return {"qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + extra("qkv"),
                 "o": cfg.hidden_size + extra("o"), "gate_up": 2 * cfg.intermediate_size + extra("gate_up"),
                 "down": cfg.hidden_size + extra("down"), "head": self.head_width(cfg)}
@@ -122,5 +119,5 @@ class Backend:
 
     def _prepared(self, cfg: ModelConfig, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
         if self.dtype == "int8":
-            return int8_projections(cfg, w, attn_scale, self.ranges, self.int8_group)
+            return int8_projections(cfg, w, attn_scale, self.ranges, self.int8_group, self.lora)
         return fp32_projections(cfg, w, attn_scale, self.lora)

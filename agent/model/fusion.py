@@ -121,10 +121,12 @@ def kind_group(name: str, group: int) -> int:
 
 
 def int8_projections(cfg: ModelConfig, w: Weights, attn_scale: float, ranges: dict[str, list[np.ndarray]] | None,
-                     group: int) -> Iterator[dict[str, tuple[Int8Rows, np.ndarray]]]:
+                     group: int, lora: Any = None) -> Iterator[dict[str, tuple]]:
     """Per layer, each projection's (int8 rows, input factor); `ranges` from agent.model.calibrate
     (None: no smoothing); `group`: at most this many inputs per weight and activation scale
-    (agent.model.quant.group_for), or CHANNEL (kind_group)."""
+    (agent.model.quant.group_for), or CHANNEL (kind_group). `lora` (agent.model.lora.LoraSlots): a
+    third item, its adapters' A rows in float32 with the norm's gain folded in (the kernel applies
+    them to the input before it is smoothed and quantised)."""
     attn_scale = row_scale(cfg, attn_scale)
     for i in range(cfg.num_layers):
         gains = _gains(cfg, w, i)
@@ -134,6 +136,10 @@ def int8_projections(cfg: ModelConfig, w: Weights, attn_scale: float, ranges: di
             if name == "qkv":
                 rows[0] = rows[0].scaled(attn_scale)
             out[name] = (concat(rows), factor)
+            if lora is not None:
+                gain = lora.gains[(i, name)] = np.asarray(gains[name], np.float32)
+                a = lora.a_rows(i, name, gain.shape[0])[:lora.extra(name, padded=False)]
+                out[name] += (a * gain[None, :],)
         yield out
 
 

@@ -60,9 +60,10 @@ class Projection(nn.Cell):
     def stored(prepared: Any) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
-    def layer_view(self, i: int) -> np.ndarray:
-        """Layer i's stored weight array (the first), on the Parameter's own memory."""
-        return self.w0[i].asnumpy() if isinstance(self.w0, ms.ParameterTuple) else self.w0.asnumpy()[i]
+    def layer_view(self, i: int, array: int = 0) -> np.ndarray:
+        """Layer i's stored weight array (the first, or `array`), on the Parameter's own memory."""
+        w = getattr(self, f"w{array}")
+        return w[i].asnumpy() if isinstance(w, ms.ParameterTuple) else w.asnumpy()[i]
 
     def put_rows(self, i: int, start: int, rows: np.ndarray) -> None:
         """Output rows start.. of layer i's matrix [out, in] (LoRA slots: agent.model.lora.write_slot)."""
@@ -217,34 +218,50 @@ class Int8Linear(NativeLinear):
     """W8A8 (agent/kernels/linear_int8.cpp): int8 rows, their group scales and the input factor
     (norm gain over the smoothing factor) applied where the kernel quantises the activations; the
     norm and SwiGLU feeding a projection run in that same pass (a dispatch less each). Rows with one
-    scale per channel are stored as oneDNN packs them for this CPU (agent/kernels/int8_channel.cpp)."""
+    scale per channel are stored as oneDNN packs them for this CPU (agent/kernels/int8_channel.cpp).
+    With LoRA, a fourth array: every slot's A rows in float32 (the norm's gain folded in), which the
+    kernel multiplies by the float input before quantising it (the adapters stay float)."""
 
     op_name = "linear_i8"
     fused = ("add_rms_linear_i8", "swiglu_linear_i8", "rope_attention_linear_i8")
     stack_op_name = "decoder_stack_i8"
 
     @staticmethod
-    def stored(prepared: tuple[Int8Rows, np.ndarray]) -> tuple[np.ndarray, ...]:
-        rows, gain = prepared
+    def stored(prepared: tuple) -> tuple[np.ndarray, ...]:
+        rows, gain, *lora_a = prepared
         q = pack_int8_channel(rows.q) if rows.channel else rows.q
-        return q, rows.scale, np.asarray(gain, np.float32)
+        return (q, rows.scale, np.asarray(gain, np.float32), *(np.ascontiguousarray(a, np.float32) for a in lora_a))
+
+    def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
+        super().__init__(norms, weights, k, width)
+        self.arrays, self.width = len(weights), width
 
     def weights(self, i: int) -> tuple:
+        if self.arrays == 4:  # a constant: graph mode keeps one branch
+            return self.w0[i], self.w1[i], self.w2[i], self.w3[i]
         return self.w0[i], self.w1[i], self.w2[i]
 
     def every_layer(self) -> tuple:
+        if self.arrays == 4:
+            return self.w0, self.w1, self.w2, self.w3
         return self.w0, self.w1, self.w2
 
+    def put_rows(self, i: int, start: int, rows: np.ndarray) -> None:
+        if self.arrays < 4:
+            super().put_rows(i, start, rows)  # raises: no LoRA rows here
+        a = self.layer_view(i, 3)
+        first = start - (self.width - a.shape[0])  # A's rows follow the weight's own output columns
+        a[first:first + rows.shape[0]] = rows
+
     def linear(self, x: Tensor, i: int) -> Tensor:
-        return self.op(x, self.w0[i], self.w1[i], self.w2[i])
+        return self.op(x, *self.weights(i))
 
     def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
-        return self.add_rms_op(x, delta, self.norms.eps, self.w0[i], self.w1[i], self.w2[i])
+        return self.add_rms_op(x, delta, self.norms.eps, *self.weights(i))
 
     def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
-        return self.swiglu_op(gu, self.norms.eps, self.w0[i], self.w1[i], self.w2[i])
+        return self.swiglu_op(gu, self.norms.eps, *self.weights(i))
 
     def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
                          v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
-        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache, pro), self.w0[i], self.w1[i],
-                            self.w2[i])
+        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache, pro), *self.weights(i))

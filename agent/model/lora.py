@@ -43,9 +43,11 @@ class LoraSlots:
         """Columns one slot has in a projection kind: `rank` per module it fuses."""
         return self.rank * len(KIND_MODULES[kind])
 
-    def extra(self, kind: str) -> int:
-        """Extra output rows of a projection kind: every slot's A rows, padded to whole blocks."""
-        return -(-self.slots * self.kind_rank(kind) // COLUMN_BLOCK) * COLUMN_BLOCK
+    def extra(self, kind: str, padded: bool = True) -> int:
+        """Extra output rows of a projection kind: every slot's A rows, padded to whole blocks (float
+        weights; int8's float A rows beside the weight are not)."""
+        rows = self.slots * self.kind_rank(kind)
+        return -(-rows // COLUMN_BLOCK) * COLUMN_BLOCK if padded else rows
 
     def a_rows(self, layer: int, kind: str, n_in: int) -> np.ndarray:
         """Layer `layer`'s extra rows [extra, in] of `kind`: slot s, module j at s * kind_rank + j * rank."""

@@ -37,12 +37,12 @@ GEMMA3_PATTERN, GEMMA3_SLIDING_THETA, GEMMA3_27B_LAYERS = 6, 10000.0, 62
 ROPE_SCALING = ("none", "linear")
 
 
-def _unpermute(rows: int, n_heads: int) -> np.ndarray:
+def unpermute_rows(rows: int, n_heads: int) -> np.ndarray:
     """Row order undoing llama.cpp's convert-time Q/K row permutation (interleaved -> rotate-half rope)."""
     return np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _tensor(t: Any, int8: bool) -> Any:
+def read_tensor(t: Any, int8: bool = False) -> Any:
     """A GGUF tensor as float32 [rows, cols] (numpy order), or Int8Rows for a Q8_0 matrix when int8."""
     import gguf
 
@@ -71,7 +71,7 @@ def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[ModelConfig, LazyW
     by_name = {t.name: t for t in reader.tensors}
     factors = by_name.pop("rope_freqs.weight", None)  # Llama 3's rope scaling, as llama.cpp writes it
     cfg = _config(meta, "output.weight" in by_name, n_vocab, bos, int(eos),
-                  None if factors is None else tuple(float(f) for f in _tensor(factors, False).reshape(-1)))
+                  None if factors is None else tuple(float(f) for f in read_tensor(factors, False).reshape(-1)))
     unpermute = cfg.family.name == "llama"
     q8 = [t.tensor_type == gguf.GGMLQuantizationType.Q8_0 for n, t in by_name.items() if n.startswith("blk.")
           and len(t.shape) == 2]
@@ -137,6 +137,6 @@ def gemma3_sliding(pattern: Any, layers: int) -> list[bool]:
 
 
 def _unpermuted(reader: GgufFile, t: Any, int8: bool, heads: int | None) -> Any:
-    arr = _tensor(t, int8)
+    arr = read_tensor(t, int8)
     reader.drop_pages(t)
-    return arr if heads is None else arr[_unpermute(arr.shape[0], heads)]
+    return arr if heads is None else arr[unpermute_rows(arr.shape[0], heads)]

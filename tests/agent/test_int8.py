@@ -117,6 +117,48 @@ def test_a_row_gives_the_same_bits_alone_and_among_other_rows(group):
         np.testing.assert_array_equal(run_kernel(x[i:i + 1], rows, gain)[0], many[i])
 
 
+@pytest.mark.parametrize("group", [64, CHANNEL])
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_lora_a_rows_beside_int8_weights_stay_float(group, m):
+    """LoRA on an int8 base: A [E, K] after the op's weights adds E output columns, each the float
+    input (before its gain and quantisation) times A in float32, and leaves the int8 columns'
+    bits as they were without it; the fused residual add + RMSNorm feeds A its normed row."""
+    import ctypes
+
+    if group == CHANNEL and channel_refused_here():
+        return
+    lib = ctypes.CDLL(native.library())
+    rng = np.random.default_rng(m)
+    k, n, e = 576, 70, 48
+    rows = quantize(rng.standard_normal((n, k)).astype(np.float32), group)
+    q = native.pack_int8_channel(rows.q) if rows.channel else rows.q
+    gain = rng.uniform(0.5, 2.0, k).astype(np.float32)
+    a = rng.standard_normal((e, k)).astype(np.float32)
+    x, d = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((m, k)).astype(np.float32)
+    plain, wide = np.zeros((m, n), np.float32), np.zeros((m, n + e), np.float32)
+    assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, plain]) == 0
+    assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, a, wide]) == 0
+    np.testing.assert_array_equal(wide[:, :n], plain)
+    np.testing.assert_allclose(wide[:, n:], x.astype(np.float64) @ a.T, rtol=1e-4, atol=1e-4)
+    eps, total = np.array([1e-6], np.float32), np.zeros((m, k), np.float32)
+    assert _call(lib, "AddRmsLinearInt8", [x, d, eps, q, rows.scale, gain, a, total, wide]) == 0
+    s = (x + d).astype(np.float64)
+    normed = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(wide[:, n:], normed @ a.T, rtol=1e-4, atol=1e-4)
+    # with each token's slot (3 slots of 16 rows; every 4th token none): its own slot's columns alone
+    slot = np.arange(m) % 4 - 1
+    mask = np.zeros((m, 3), np.float32)
+    mask[slot >= 0, slot[slot >= 0]] = 1.0
+    want = np.zeros((m, e))
+    for t in np.flatnonzero(slot >= 0):
+        cols = slice(16 * slot[t], 16 * slot[t] + 16)
+        want[t, cols] = x[t].astype(np.float64) @ a[cols].T
+    wide[:] = np.nan
+    assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, a, mask, wide]) == 0
+    np.testing.assert_array_equal(wide[:, :n], plain)
+    np.testing.assert_allclose(wide[:, n:], want, rtol=1e-4, atol=1e-4)
+
+
 def channel_want(x: np.ndarray, rows: Int8Rows) -> np.ndarray:
     """The per-channel recipe with integer activations whose every token reaches 127 (scale 1):
     the exact integer dot products times each channel's scale."""

@@ -6,16 +6,18 @@ logit) and its greedy tokens PEFT's. Refusals: every field or tensor that cannot
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
 import pytest
 
 from agent.graph_call import setup_mindspore
-from agent.lora.peft import AdapterError, read_adapter
+from agent.lora import AdapterError, read_adapter
 from agent.model.lora import LoraSlots
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
+from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.memory import ModelShape, lora_bytes, weight_bytes
 from common.model_files import ModelFiles
@@ -26,15 +28,16 @@ LORA = ROOT / "tests" / "fixtures" / "lora"
 ADAPTERS = ("qv8", "all16")
 
 
-def lora_runner(base: str, native: bool, slots: int = 3, dtype: str = "float32") -> ModelRunner:
-    """The fixture base with both adapters in slots 0 and 1 (slot 2 left empty)."""
+def lora_runner(base: str, native: bool, slots: int = 3, dtype: str = "float32", tp: Group = Group()) -> ModelRunner:
+    """The fixture base with both adapters in slots 0 and 1 (slot 2 left empty); `tp`: as this rank
+    of a tensor-parallel group (tests/agent/test_tensor_parallel.py)."""
     setup_mindspore()
-    cfg, weights = load_model(ModelFiles("hf", FAMILIES / base), max_position=MAX_LEN)
+    cfg, weights = load_model(ModelFiles("hf", FAMILIES / base), max_position=MAX_LEN, int8=dtype == "int8")
     adapters = [read_adapter(name, LORA / base / name, cfg, 16) for name in ADAPTERS]
     n_seqs = 12
     rc = RunnerConfig(num_blocks=1 + n_seqs * (MAX_LEN // BLOCK), block_size=BLOCK, max_model_len=MAX_LEN,
                       token_buckets=[16, 128] if native else [128], max_running=n_seqs, native_kernels=native,
-                      model_dtype=dtype, lora=(slots, 16))
+                      model_dtype=dtype, lora=(slots, 16), tp=tp)
     runner = ModelRunner(cfg, weights, rc, lora=LoraSlots(adapters, slots, 16))
     runner.warmup()
     return runner
@@ -46,8 +49,9 @@ def golden(base: str, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 @pytest.mark.parametrize("base,native,dtype", [("llama-tf5", True, "float32"), ("qwen2-tf5", True, "float32"),
-                                               ("llama-tf5", False, "float32"), ("qwen2-tf5", True, "bfloat16")],
-                         ids=["llama-native", "qwen2-native", "llama-plain", "qwen2-bf16"])
+                                               ("llama-tf5", False, "float32"), ("qwen2-tf5", True, "bfloat16"),
+                                               ("llama-tf5", True, "int8")],
+                         ids=["llama-native", "qwen2-native", "llama-plain", "qwen2-bf16", "llama-int8"])
 def test_base_and_adapters_packed_together_match_peft(base, native, dtype):
     """Every prompt three times in the same steps (base, adapter 1, adapter 2): each its own reference's
     logits at every position of its greedy continuation (float32's tolerance, or bfloat16 weights' and
@@ -57,8 +61,13 @@ def test_base_and_adapters_packed_together_match_peft(base, native, dtype):
     c = runner.cfg  # the memory plan counts the slots' bytes as they are held
     shape = ModelShape(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
                        c.head_dim, c.max_position)
-    planned = weight_bytes(shape, dtype) + lora_bytes(shape, 3, 16, dtype)
-    assert abs(runner.model.weight_bytes - planned) <= 0.02 * planned, (runner.model.weight_bytes, planned)
+    if dtype == "int8":  # the adapters' share, exactly (the plan's int8 base ignores the tiny rows' padding)
+        held = sum(p.nbytes for p in runner.model.get_parameters() if p.name.startswith("lora.") or
+                   p.name.endswith(".w3"))  # B rows, and the A rows beside each int8 weight
+        assert held == lora_bytes(shape, 3, 16, dtype)
+    else:
+        planned = weight_bytes(shape, dtype) + lora_bytes(shape, 3, 16, dtype)
+        assert abs(runner.model.weight_bytes - planned) <= 0.02 * planned, (runner.model.weight_bytes, planned)
     refs = {a: golden(base, name) for a, name in enumerate(("base", *ADAPTERS))}
     cases = [(a, i) for a in refs for i in range(len(refs[0]))]
     seqs = [refs[a][i][0] for a, i in cases]
@@ -125,11 +134,12 @@ def test_the_compile_cache_keeps_lora_graphs_apart():
     assert len(keys) == 3
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "plain"])
-def test_a_slot_written_between_steps_serves_its_new_adapter(native):
+@pytest.mark.parametrize("native,dtype", [(True, "float32"), (False, "float32"), (True, "int8")],
+                         ids=["native", "plain", "int8"])
+def test_a_slot_written_between_steps_serves_its_new_adapter(native, dtype):
     """An adapter written into a built model's slot (the graphs as they are) gives PEFT's logits from
     the next step on; a slot emptied gives the base model's; a rank over the slots' is refused."""
-    runner = lora_runner("llama-tf5", native, slots=2)  # qv8 in slot 0, all16 in slot 1
+    runner, tol = lora_runner("llama-tf5", native, slots=2, dtype=dtype), TOLERANCE[dtype]  # qv8 in slot 0, all16 in 1
     cfg = runner.cfg
     refs = {name: golden("llama-tf5", name) for name in ("base", *ADAPTERS)}
 
@@ -142,11 +152,65 @@ def test_a_slot_written_between_steps_serves_its_new_adapter(native):
 
     all16 = runner.lora.adapters[1]
     runner.load_adapter(0, all16)  # slot 0 now holds what slot 1 holds
-    assert worst("all16", 1) <= TOLERANCE["float32"]
+    assert worst("all16", 1) <= tol
     runner.load_adapter(1, read_adapter("qv8", LORA / "llama-tf5" / "qv8", cfg, 16))
-    assert worst("qv8", 2) <= TOLERANCE["float32"]
+    assert worst("qv8", 2) <= tol
     runner.load_adapter(0, None)
-    assert worst("base", 1) <= TOLERANCE["float32"]
+    assert worst("base", 1) <= tol
     with pytest.raises(ValueError, match="rank 16 is over max_lora_rank 8"):
         runner.lora.rank = 8
         runner.load_adapter(0, all16)
+
+
+@pytest.mark.parametrize("base", ["llama-tf5", "qwen2-tf5"])
+def test_llama_cpp_gguf_adapters_serve_peft_s_logits(base, tmp_path):
+    """Both adapters as llama.cpp's convert_lora_to_gguf.py writes them (tools/lora_adapter.py: the
+    gguf package's tensor names + .lora_a/.lora_b, Llama's Q/K lora_b rows permuted as its base rows
+    are, `adapter.lora.alpha`; llama.cpp scales by alpha / r, so the rsLoRA one is written with
+    alpha x sqrt(r)), read back into the slots: PEFT's logits within float32's tolerance."""
+    from tools.lora_adapter import write_gguf_adapter
+
+    runner = lora_runner(base, True)
+    for slot, (name, alpha) in enumerate((("qv8", None), ("all16", 8 * 16 ** 0.5))):
+        path = write_gguf_adapter(LORA / base / name, str(FAMILIES / base), tmp_path / f"{name}.gguf", alpha)
+        adapter = read_adapter(name, path, runner.cfg, 16)
+        assert adapter.mats.keys() == read_adapter(name, LORA / base / name, runner.cfg, 16).mats.keys()
+        runner.load_adapter(slot, adapter)
+    cases = [(a, ids, ref) for a, name in ((1, "qv8"), (2, "all16")) for ids, ref in golden(base, name)[:3]]
+    got = forced_logits(runner, [ids for _, ids, _ in cases], [len(ids) - 16 for _, ids, _ in cases],
+                        [a for a, _, _ in cases])
+    for (a, ids, ref), ours in zip(cases, got):
+        want = ref[len(ids) - 17:]
+        assert np.abs(ours - want).max() <= TOLERANCE["float32"] * np.abs(want).max(), f"{base}: adapter {a}"
+
+
+def _gguf_adapter(path, arch: str = "llama", meta: dict | None = None, tensors: dict | None = None):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"general.type": "adapter", "adapter.type": "lora", **(meta or {})}.items():
+        (w.add_float32 if isinstance(value, float) else w.add_string)(key, value)
+    for name, t in (tensors or {"blk.0.attn_v.weight.lora_a": np.zeros((4, 64), np.float32),
+                                "blk.0.attn_v.weight.lora_b": np.zeros((32, 4), np.float32)}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_adapters_we_cannot_serve_are_refused_by_name(tmp_path):
+    cfg = _cfg()
+    assert read_adapter("x", _gguf_adapter(tmp_path / "ok.gguf", meta={"adapter.lora.alpha": 8.0}), cfg, 16).rank == 4
+    zeros = {"blk.0.attn_v.weight.lora_a": np.zeros((4, 64), np.float32)}
+    for n, (kw, says) in enumerate([
+            (dict(meta={"general.type": "model"}), "is not a LoRA adapter GGUF"),
+            (dict(arch="qwen2"), "general.architecture 'qwen2'"),
+            (dict(meta={"adapter.alora.invocation_tokens": "x"}), "adapter.alora.invocation_tokens is not served"),
+            (dict(tensors={**zeros, "token_embd.weight.lora_a": np.zeros((4, 64), np.float32)}),
+             "token_embd.weight.lora_a is not served"),
+            (dict(tensors=zeros), "lora_a without its pair"),
+            (dict(tensors={**zeros, "blk.0.attn_v.weight.lora_b": np.zeros((64, 4), np.float32)}), "another base")]):
+        with pytest.raises(AdapterError, match=re.escape(says)):
+            read_adapter("x", _gguf_adapter(tmp_path / f"bad{n}.gguf", **kw), cfg, 16)

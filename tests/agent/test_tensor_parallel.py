@@ -112,7 +112,7 @@ def _shape(folder: str) -> tuple[int, int]:
 
 
 def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", native: bool = True,
-              dtype: str = "float32") -> list[dict]:
+              dtype: str = "float32", script: str = _RANK) -> list[dict]:
     """Every rank of a `size`-way group as its own process (one rank alone for size 1). Without the
     native kernels the launcher's own group_link starts mindspore.communication's scheduler (one more
     process), as llm-serving and launch_agents do."""
@@ -126,7 +126,7 @@ def run_group(size: int, tmp_path, steps: int = STEPS, model: str = "tiny", nati
         hidden, vocab = (64, 272) if model == "tiny" else _shape(model)
         create_segment(segment, size, slot_floats(hidden, vocab, 512, 16, size))
     try:
-        procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _RANK, str(r), str(size), link,
+        procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", script, str(r), str(size), link,
                                    str(tmp_path / f"rank{size}-{r}.json"), str(steps), model,
                                    "native" if native else "plain", dtype], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -236,3 +236,40 @@ def test_two_ranks_match_one_rank_for_each_family(folder, tmp_path):
     assert two[0]["seqs"] == two[1]["seqs"] == one["seqs"]
     want = np.array(one["logits"])
     assert np.abs(np.array(two[0]["logits"]) - want).max() <= TP_TOL * np.abs(want).max()
+
+
+_LORA_RANK = """
+import json, sys
+from agent.lora import read_adapter
+from agent.tensor_parallel import Group
+from tests.agent.test_families import forced_logits
+from tests.agent.test_lora import ADAPTERS, LORA, golden, lora_runner
+
+rank, size, link, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+group = Group.from_link(link, rank, size, 64, 272, 512, 16)
+runner = lora_runner("llama-tf5", True, tp=group)  # qv8, all16 in slots 0, 1 at start
+runner.load_adapter(2, read_adapter("all16", LORA / "llama-tf5" / "all16", runner.cfg, 16))  # and all16 written later
+cases = [(name, adapter, ids) for name, adapter in (("base", 0), *zip(ADAPTERS, (1, 2)), ("all16", 3))
+         for ids, _ in golden("llama-tf5", name)[:3]]  # 12 rows: the runner's most
+got = forced_logits(runner, [ids for *_, ids in cases], [len(ids) - 16 for *_, ids in cases], [a for _, a, _ in cases])
+with open(out, "w") as f:
+    json.dump([g.tolist() for g in got], f)
+import os
+os._exit(0)
+"""
+
+
+def test_two_ranks_serve_lora_adapters_split_as_their_projections(tmp_path):
+    """LoRA under tensor parallel: B split by output rows beside Q/K/V and gate/up, A by input
+    columns beside o and down (partial sums the all-reduce adds): the base and both adapters,
+    packed in the same steps and one written into a slot after start, each give PEFT's logits
+    (tests/agent/test_lora.py's goldens) on every rank."""
+    from tests.agent.test_lora import ADAPTERS, golden
+
+    ranks = run_group(2, tmp_path, model=str(ROOT / "tests" / "fixtures" / "families" / "llama-tf5"),
+                      script=_LORA_RANK)
+    assert ranks[0] == ranks[1]
+    refs = [ref for name in ("base", *ADAPTERS, "all16") for _, ref in golden("llama-tf5", name)[:3]]
+    for got, ref in zip(ranks[0], refs):
+        want = ref[-17:]  # the last prompt token's and the 16 forced tokens'
+        assert np.abs(np.array(got) - want).max() <= TP_TOL * np.abs(want).max()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from agent.model.quant import bf16_bits
-from agent.weights.gguf import _unpermute
+from agent.weights.gguf import unpermute_rows
 from agent.weights.load import load_model, read_safetensors
 from common.model_files import ModelFiles
 from tests.conftest import TINY
@@ -55,7 +55,7 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
     # permute_qk is llama.cpp convert_hf_to_gguf.py's reshape(n_head, 2, rows/n_head/2, ...).swapaxes(1, 2)
     permuted = permute_qk(w, n_head)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(permuted[_unpermute(rows, n_head)], w)
+    assert np.array_equal(permuted[unpermute_rows(rows, n_head)], w)
 
 
 def test_export_round_trips_through_our_loaders(tmp_path):

@@ -1,5 +1,5 @@
 """LoRA adapters served over HTTP by real processes (serving_config.lora_modules): three random adapters
-of the tiny model beside the base, in two slots (swapped in as requests want them), picked by OpenAI
+of the tiny model (two PEFT folders, one llama.cpp GGUF) beside the base, in two slots (swapped in as requests want them), picked by OpenAI
 `model`, TGI `adapter_id` and the original API's `adapter`. Requests for the base and the adapters interleaved in the same steps each give the text the
 same request gives alone; a prompt whose blocks the base cached is computed afresh for an adapter (no KV
 shared across adapters); the names are listed with their parent; a name not served is a 404 naming it."""
@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import TINY
 from tests.helpers import ServerProcess, tiny_config
-from tools.lora_adapter import random_adapter
+from tools.lora_adapter import random_adapter, write_gguf_adapter
 
 # longer than a KV block (4 tokens here): the base caches its blocks before an adapter asks for them
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -26,7 +26,8 @@ def server(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("lora")
     adapters = {"ft-a": str(random_adapter(tmp / "a", TINY, rank=8, seed=1)),
                 "ft-b": str(random_adapter(tmp / "b", TINY, rank=16, modules=("q_proj", "v_proj", "down_proj"), seed=2)),
-                "ft-c": str(random_adapter(tmp / "c", TINY, rank=4, seed=3))}
+                "ft-c": str(write_gguf_adapter(random_adapter(tmp / "c", TINY, rank=4, seed=3), str(tiny_model_dir),
+                                               tmp / "c.gguf"))}  # as llama.cpp converts one
     # three adapters, two slots: the agents start with ft-a and ft-b, ft-c is swapped in when asked for
     srv = ServerProcess(tiny_config(tmp, tiny_model_dir, lora_modules=adapters, max_loras=2))
     yield srv
