@@ -64,6 +64,9 @@ int dnnl_primitive_destroy(dnnl_primitive_t primitive);
 int dnnl_memory_destroy(dnnl_memory_t memory);
 // A stream whose primitives split their work over `threadpool` (a dnnl::threadpool_interop::threadpool_iface).
 int dnnl_threadpool_interop_stream_create(dnnl_stream_t *stream, dnnl_engine_t engine, void *threadpool);
+// The threads a primitive created on this thread is planned for (its pd; execution then runs that plan).
+int dnnl_threadpool_interop_set_max_concurrency(int max_concurrency);
+int dnnl_threadpool_interop_get_max_concurrency(int *max_concurrency);
 }
 
 #include <functional>

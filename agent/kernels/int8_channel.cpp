@@ -180,9 +180,19 @@ struct Matmul {
   }
 };
 
+// Narrow outputs (n < 64) are planned for one thread: where M x N is small, oneDNN 3.10's AMX int8
+// matmul splits K over the threads, and under a threadpool its partial sums came back wrong (576 x 48
+// weights, 6-31 tokens: errors as large as the results on a Sapphire Rapids Xeon, on our pool and on
+// one thread running the parts in turn; planned for one thread, exact). Such a matmul is microseconds.
+constexpr int64_t NARROW_N = 64;
+
 std::unique_ptr<Matmul> build(int64_t m, int64_t k, int64_t n) {
   const Layout *l = layout(k, n);
+  int threads = 0;
+  dnnl_threadpool_interop_get_max_concurrency(&threads);
+  if (n < NARROW_N) dnnl_threadpool_interop_set_max_concurrency(1);
   dnnl_primitive_desc_t pd = l ? matmul_pd(m, k, n, l->md) : nullptr;
+  dnnl_threadpool_interop_set_max_concurrency(threads);
   if (!pd) return nullptr;
   auto mm = std::make_unique<Matmul>();
   dnnl_engine_t eng = kernels::cpu_engine();

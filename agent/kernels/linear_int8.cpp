@@ -591,39 +591,68 @@ void quantize_token(const float *x, const float *g, int64_t k, int8_t *q, float 
   *scale = amax / 127.f;
 }
 
-// y[:, n:n + e] (row stride ldy) = xf [m, k] @ A^T: with the tokens' slots, each token's own slot's
-// rows of A, its tokens gathered 16 at a time into one sgemm; else every row, a share per thread.
+// out[j] = x . a[j] for the e rows of a [e, k], each sum in one order that depends on k alone (one
+// vector of partial sums over k, added up lane by lane, then the tail): a token's adapter columns are
+// the same bits whatever else its step holds. oneDNN's sgemm blocked by the rows it was given, so
+// identical tokens of one adapter gathered into one call came back apart. C rows of a at a time share
+// the loads of x (C independent sums: the FMA latency hides); each row's order is the same for any C.
+template <int C>
+void dot_rows_of(const float *x, const float *a, int64_t k, float *out) {
+  float sum[C] = {};
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(v, _mm512_loadu_ps(a + c * k + i), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[c]);
+    for (float l : lanes) sum[c] += l;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(a + c * k + i), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[c]);
+    for (float l : lanes) sum[c] += l;
+  }
+#endif
+  for (int c = 0; c < C; ++c) {
+    for (int64_t t = i; t < k; ++t) sum[c] += x[t] * a[c * k + t];
+    out[c] = sum[c];
+  }
+}
+
+void dot_rows(const float *x, const float *a, int64_t e, int64_t k, float *out) {
+  int64_t j = 0;
+  for (; j + 8 <= e; j += 8) dot_rows_of<8>(x, a + j * k, k, out + j);
+  for (; j < e; ++j) dot_rows_of<1>(x, a + j * k, k, out + j);
+}
+
+// y[:, n:n + e] (row stride ldy) = xf [m, k] @ A^T, a token at a time (dot_rows): with the tokens'
+// slots, each token's own slot's rows of A and zeros for the others; else every row.
 int shrink(int64_t m, int64_t k, const float *xf, Shrink sh, float *y, int64_t ldy) {
-  std::atomic<int> failed{0};
-  if (!sh.mask) {
-    kernels::parallel_ranges(m, 8, [&](int64_t b, int64_t e) {
-      if (dnnl_sgemm('N', 'T', e - b, sh.e, k, 1.f, xf + b * k, k, sh.a, k, 0.f, y + b * ldy, ldy)) failed = 1;
-    });
-    return failed.load();
-  }
-  constexpr int64_t CHUNK = 16;
-  const int64_t per = sh.e / sh.slots;
-  std::vector<std::vector<int64_t>> by_slot(sh.slots);
-  for (int64_t t = 0; t < m; ++t) {
-    std::fill(y + t * ldy, y + t * ldy + sh.e, 0.f);
-    if (const int64_t s = sh.slot(t); s >= 0) by_slot[s].push_back(t);
-  }
-  std::vector<std::pair<int64_t, int64_t>> items;  // (slot, first of its tokens)
-  for (int64_t s = 0; s < sh.slots; ++s)
-    for (int64_t i = 0; i < static_cast<int64_t>(by_slot[s].size()); i += CHUNK) items.emplace_back(s, i);
-  kernels::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    thread_local std::vector<float> rows, out;  // this worker's
-    rows.resize(CHUNK * k), out.resize(CHUNK * per);
-    for (int64_t it = b; it < e; ++it) {
-      const auto [s, first] = items[it];
-      const int64_t c = std::min<int64_t>(CHUNK, by_slot[s].size() - first);
-      for (int64_t j = 0; j < c; ++j) std::memcpy(&rows[j * k], xf + by_slot[s][first + j] * k, k * sizeof(float));
-      if (dnnl_sgemm('N', 'T', c, per, k, 1.f, rows.data(), k, sh.a + s * per * k, k, 0.f, out.data(), per)) failed = 1;
-      for (int64_t j = 0; j < c; ++j)
-        std::memcpy(y + by_slot[s][first + j] * ldy + s * per, &out[j * per], per * sizeof(float));
+  const int64_t per = sh.mask ? sh.e / sh.slots : sh.e;
+  kernels::parallel_ranges(m, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float *out = y + t * ldy;
+      if (!sh.mask) {
+        dot_rows(xf + t * k, sh.a, sh.e, k, out);
+        continue;
+      }
+      std::fill(out, out + sh.e, 0.f);
+      if (const int64_t s = sh.slot(t); s >= 0) dot_rows(xf + t * k, sh.a + s * per * k, per, k, out + s * per);
     }
   });
-  return failed.load();
+  return 0;
 }
 
 // A step no token of which uses a slot: its shrink columns are zeros.

@@ -139,6 +139,7 @@ def test_lora_a_rows_beside_int8_weights_stay_float(group, m):
     assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, plain]) == 0
     assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, a, wide]) == 0
     np.testing.assert_array_equal(wide[:, :n], plain)
+    every = wide.copy()
     np.testing.assert_allclose(wide[:, n:], x.astype(np.float64) @ a.T, rtol=1e-4, atol=1e-4)
     eps, total = np.array([1e-6], np.float32), np.zeros((m, k), np.float32)
     assert _call(lib, "AddRmsLinearInt8", [x, d, eps, q, rows.scale, gain, a, total, wide]) == 0
@@ -157,6 +158,14 @@ def test_lora_a_rows_beside_int8_weights_stay_float(group, m):
     assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, a, mask, wide]) == 0
     np.testing.assert_array_equal(wide[:, :n], plain)
     np.testing.assert_allclose(wide[:, n:], want, rtol=1e-4, atol=1e-4)
+    # a token's columns are its bits alone, whatever else the step holds (identical rows of one
+    # adapter gathered into one sgemm came back apart)
+    for t in range(m):
+        alone = np.full((1, n + e), np.nan, np.float32)
+        assert _call(lib, "LinearInt8", [x[t:t + 1], q, rows.scale, gain, a, mask[t:t + 1], alone]) == 0
+        np.testing.assert_array_equal(alone[0], wide[t])
+        assert _call(lib, "LinearInt8", [x[t:t + 1], q, rows.scale, gain, a, alone]) == 0
+        np.testing.assert_array_equal(alone[0], every[t])
 
 
 def channel_want(x: np.ndarray, rows: Int8Rows) -> np.ndarray:
@@ -171,7 +180,7 @@ def integer_tokens(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 33), (5, 1536, 577), (130, 64, 40), (64, 576, 1536)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 33), (5, 1536, 577), (10, 576, 48), (130, 64, 40), (64, 576, 1536)])
 def test_channel_kernel_sums_exactly_in_integers(m, k, n):
     if channel_refused_here():
         return
