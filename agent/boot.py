@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from agent.graph_call import device_free_memory, setup_mindspore
 from agent.lora import AdapterError, lora_slots
@@ -18,7 +19,7 @@ from agent.weights.load import load_model
 from common.config import ConfigError, ServingConfig
 from common.cpu import describe
 from common.grammar import ll_tokenizer
-from common.memory import ModelShape, activation_bytes, plan as memory_plan
+from common.memory import ModelShape, activation_bytes, kv_head_bytes, plan as memory_plan
 from common.model_files import ModelFiles, model_identity, resolve_model
 from common.tokenizer import load_tokenizer
 from shm.messages import AgentInfo
@@ -86,7 +87,13 @@ def _agent_info(cfg: ServingConfig, files: ModelFiles, model_cfg: ModelConfig, r
                      tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack,
                      planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0,
                      speculative=runner.seqs.proposer.method if runner.seqs.proposer is not None else "",
-                     adapters=tuple(cfg.lora_modules)[:cfg.max_loras])
+                     adapters=tuple(cfg.lora_modules)[:cfg.max_loras], kv_layout=kv_layout(cfg, model_cfg, runner.kv_dtype))
+
+
+def kv_layout(cfg: ServingConfig, m: ModelConfig, kv_dtype: str) -> dict[str, Any]:
+    """This agent's KV cache as a hand-over moves it (shm.protocol.KV_LAYOUT_KEYS)."""
+    return {"dtype": kv_dtype, "block_size": cfg.block_size, "layers": m.num_layers, "kv_heads": m.num_kv_heads,
+            "head_dim": m.head_dim, "head_bytes": kv_head_bytes(m.head_dim, kv_dtype)}
 
 
 def activation_estimate(model_cfg: ModelConfig, cfg: ServingConfig) -> int:

@@ -45,6 +45,7 @@ class AgentInfo(Wire):
     planned_bytes: int = 0  # its memory plan's bytes per agent (common/memory.py; 0: not planned, off CPU)
     speculative: str = ""  # the method its proposer drafts with (speculative_config.method; "": none)
     adapters: tuple[str, ...] = ()  # its LoRA adapters by slot (serving_config.lora_modules' names)
+    kv_layout: dict[str, Any] = field(default_factory=dict)  # KV_LAYOUT_KEYS: what a hand-over must match
     # Filled per reply:
     pid: int = 0
     rss_bytes: int = 0  # the process's resident memory now

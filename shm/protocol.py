@@ -41,6 +41,10 @@ E_FATAL = "fatal"  # the model step raised: the agent exits after this reply and
 # The KV geometry and model identity a server and its agent must agree on (handshake `geometry`, `model`).
 GEOMETRY_KEYS = ("block_size", "num_blocks", "max_model_len")
 MODEL_KEYS = ("name", "digest", "adapters")
+# An agent's KV cache as a hand-over moves it (agent info `kv_layout`): agents whose layouts differ
+# in any of these cannot take each other's blocks, even where the blocks' bytes agree (float16 and
+# bfloat16). `head_bytes`: one head's key of one token (an int8 row carries its float32 scale).
+KV_LAYOUT_KEYS = ("dtype", "block_size", "layers", "kv_heads", "head_dim", "head_bytes")
 
 # Required header keys and their types, per command.
 _STEP_KEYS = {"n_tokens": int, "n_rows": int, "width": int, "slot": int, "free": list, "n_scored": int,

@@ -19,7 +19,7 @@ from common.config import ServingConfig
 from common.tokenizer import TextTokenizer
 from server.detok import IncrementalDetokenizer
 from server.engine.adapters import AdapterSlots, Load
-from server.engine.handover import Handover, HandoverError, block_bytes
+from server.engine.handover import Handover, HandoverError
 from server.engine.lane import AgentLane, lanes_stats
 from server.engine.drain import Drains
 from server.engine.messages import Abort, Add, AgentBack, Drain, Message, Wake
@@ -32,6 +32,7 @@ from server.request import Request
 from server.sequence import Sequence
 from shm.messages import AgentInfo
 from shm.link import AgentLink
+from shm.protocol import KV_LAYOUT_KEYS
 
 __all__ = ["Engine", "QueueFull"]
 log = logging.getLogger("llm_serving.engine")
@@ -249,8 +250,13 @@ def _why_kv_cannot_move(cfg: ServingConfig, clients: list[AgentLink]) -> str | N
         return "one agent: there is no other to move its sequences to"
     if cfg.tensor_parallel_size > 1:
         return "tensor-parallel agents: a sequence's KV is split over a group's ranks"
-    sizes = sorted({block_bytes(c) for c in clients})
-    if len(sizes) > 1:
-        return (f"the agents' KV blocks differ in bytes ({sizes}): start every agent from the same YAML "
-                "(model, dtypes, block_size)")
+    layouts = [c.info.kv_layout for c in clients]
+    if not all(layouts):
+        return "an agent did not report its KV layout (an agent of an older version): its blocks cannot be checked"
+    for key in KV_LAYOUT_KEYS:
+        values = [layout.get(key) for layout in layouts]
+        if len(set(values)) > 1:
+            each = ", ".join(f"port {p}: {v}" for p, v in zip(cfg.agent_ports, values))
+            return (f"the agents' KV caches differ in {key} ({each}): one agent's blocks would be read wrong by "
+                    "another; start every agent from the same YAML (model, kv_cache_dtype, model_dtype, block_size)")
     return None

@@ -143,6 +143,21 @@ def _decode_step(client, cfg):
     return client.poll_step(30)
 
 
+def test_the_agent_reports_the_kv_layout_its_cache_has(agent):
+    """What a server compares before moving KV between agents (dtype, block size, layers, heads, head
+    bytes) is what the agent's cache holds: its bytes follow from the layout."""
+    cfg, _ = agent
+    [client] = connect_agents(cfg)
+    try:
+        kv = client.info.kv_layout
+        assert sorted(kv) == sorted(P.KV_LAYOUT_KEYS) and kv["dtype"] == client.info.kv_cache_dtype
+        assert kv["block_size"] == cfg.block_size
+        block = 2 * kv["layers"] * kv["kv_heads"] * kv["head_bytes"] * kv["block_size"]
+        assert block * client.info.geometry["num_blocks"] == client.info.kv_cache_bytes
+    finally:
+        client.close()
+
+
 def test_agent_survives_garbage_and_keeps_serving(agent):
     cfg, _ = agent
     [client] = connect_agents(cfg)

@@ -79,20 +79,27 @@ def test_a_decode_agent_gives_back_what_it_preempted():
 
 def test_agents_whose_kv_cannot_move_are_named_why():
     """The engine's check before it makes a hand-over segment: one agent, tensor-parallel ranks, or
-    blocks of other sizes (agents started with other dtypes) are refused in words; tcp agents are not."""
+    KV caches laid out otherwise are refused in words naming the field; tcp agents are not. float16
+    and bfloat16 caches have blocks of the same bytes: a decode agent read one as the other."""
     from types import SimpleNamespace
 
     from server.engine.engine import _why_kv_cannot_move
     from shm.messages import AgentInfo
 
-    def agent(kv_bytes: int, local: bool = True) -> SimpleNamespace:
+    def agent(dtype: str = "float32", local: bool = True, **layout: int) -> SimpleNamespace:
         geometry = {"block_size": 4, "num_blocks": 8, "max_model_len": 32}
-        return SimpleNamespace(local=local, info=AgentInfo(272, [2], geometry, {}, kv_cache_bytes=kv_bytes))
+        kv = {"dtype": dtype, "block_size": 4, "layers": 2, "kv_heads": 2, "head_dim": 8,
+              "head_bytes": {"float32": 32, "int8": 12}.get(dtype, 16), **layout}
+        return SimpleNamespace(local=local, info=AgentInfo(272, [2], geometry, {}, kv_layout=kv))
 
-    cfg = _cfg()
-    assert _why_kv_cannot_move(cfg, [agent(8 << 10), agent(8 << 10, local=False)]) is None
-    assert "one agent" in _why_kv_cannot_move(cfg, [agent(8 << 10)])
-    assert "blocks differ in bytes ([256, 1024])" in _why_kv_cannot_move(cfg, [agent(8 << 10), agent(2 << 10)])
+    cfg = ServingConfig(num_blocks=9, block_size=4, max_model_len=32, prefill_buckets=[8], decode_buckets=[1, 4],
+                        max_prefill_rows=2, agent_ports=[1, 2]).validate()
+    assert _why_kv_cannot_move(cfg, [agent(), agent(local=False)]) is None
+    assert "one agent" in _why_kv_cannot_move(_cfg(), [agent()])
+    assert "differ in dtype (port 1: float16, port 2: bfloat16)" in _why_kv_cannot_move(cfg, [agent("float16"), agent("bfloat16")])
+    assert "differ in dtype" in _why_kv_cannot_move(cfg, [agent("float32"), agent("int8")])
+    assert "differ in kv_heads" in _why_kv_cannot_move(cfg, [agent(), agent(kv_heads=1)])
+    assert "older version" in _why_kv_cannot_move(cfg, [agent(), SimpleNamespace(local=True, info=AgentInfo(272, [2], {}, {}))])
     tp = ServingConfig(num_blocks=9, block_size=4, max_model_len=32, prefill_buckets=[8], decode_buckets=[1, 4],
                        max_prefill_rows=2, agent_ports=[1, 2], tensor_parallel_size=2).validate()
-    assert "tensor-parallel" in _why_kv_cannot_move(tp, [agent(8 << 10), agent(8 << 10)])
+    assert "tensor-parallel" in _why_kv_cannot_move(tp, [agent(), agent()])
