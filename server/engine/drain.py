@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from common.config import ServingConfig
-from server.engine.lane import AgentLane
+from server.engine.lane import AgentLane, LaneState
 from server.engine.messages import Drain
 from server.engine.supervisor import Supervisor
 
@@ -23,7 +23,9 @@ class Drains:
     def __init__(self, cfg: ServingConfig, lanes: list[AgentLane], supervisor: Supervisor, can_move: str | None):
         """`can_move`: None where KV can move between these agents, else why not."""
         self.cfg, self.lanes, self.supervisor, self.can_move = cfg, lanes, supervisor, can_move
-        self.pending: dict[int, tuple[Future, int]] = {}  # lane -> (its drain's Future, its scheduler's moved then)
+        # lane -> (the Futures of the drains asked of it, its scheduler's moved count then): a second
+        # drain of a draining agent shares the first's answer
+        self.pending: dict[int, tuple[list[Future], int]] = {}
 
     def _lane(self, port: int) -> AgentLane:
         ports = self.cfg.agent_ports
@@ -38,9 +40,14 @@ class Drains:
         try:
             lane = self._lane(msg.port)
             if msg.resume:
-                lane.sched.draining = False
-                msg.done.set_result({"port": msg.port, "draining": False})
+                self._resume(lane, msg.done)
                 return
+            if lane.index in self.pending:
+                self.pending[lane.index][0].append(msg.done)
+                return
+            if lane.state is not LaneState.LIVE:
+                raise DrainError(409, f"agent {lane.index} (port {msg.port}) is {lane.state.value} ({lane.why}): its "
+                                      "sequences were computed again elsewhere, and it takes work again when it is back")
             why = self.can_move or self._refusal(lane)
             if why:
                 raise DrainError(409, why)
@@ -48,33 +55,47 @@ class Drains:
             msg.done.set_exception(exc)
             return
         lane.sched.draining = True
-        self.pending[lane.index] = (msg.done, lane.sched.moved)
+        self.pending[lane.index] = ([msg.done], lane.sched.moved)
         for req in [seq.request for seq in lane.sched.evicted()]:  # not started: queued elsewhere
             self.supervisor.recompute(req)
+
+    def _resume(self, lane: AgentLane, done: Future) -> None:
+        """Schedule there again; a drain still moving its sequences ends, saying what it moved."""
+        lane.sched.draining = False
+        self.check()
+        done.set_result({"port": self._port(lane), "draining": False})
 
     def _refusal(self, lane: AgentLane) -> str | None:
         """Why the other agents could not take over (None: they can)."""
         others = [o for o in self.lanes if o is not lane and o.live and not o.sched.draining]
         if not any(o.sched.role != "decode" for o in others) or not any(o.sched.role != "prefill" for o in others):
-            return (f"agent {lane.index} (port {self.cfg.agent_ports[self.cfg.groups[lane.index][0]]}) is needed: "
+            return (f"agent {lane.index} (port {self._port(lane)}) is needed: "
                     "no other live agent would take its prompts or its decodes")
         return None
 
     def check(self) -> None:
-        """Drains whose agent holds nothing now (or went down meanwhile: its sequences were
-        recomputed elsewhere) are done."""
-        for index, (done, moved) in list(self.pending.items()):
+        """Drains whose agent holds nothing now, was resumed, or went down meanwhile are done."""
+        for index, (waiting, moved) in list(self.pending.items()):
             lane = self.lanes[index]
-            if lane.sched.draining and (lane.sched.load or lane.busy):
+            if lane.sched.draining and lane.live and (lane.sched.load or lane.busy):
                 continue
             del self.pending[index]
-            done.set_result(self._result(lane, moved))
+            for done in waiting:
+                done.set_result(self._result(lane, moved))
+
+    def draining(self) -> list[int]:
+        """The ports of the agents drained now (nothing is scheduled there)."""
+        return [self._port(lane) for lane in self.lanes if lane.sched.draining]
+
+    def _port(self, lane: AgentLane) -> int:
+        return self.cfg.agent_ports[self.cfg.groups[lane.index][0]]
 
     def _result(self, lane: AgentLane, moved: int) -> dict[str, Any]:
-        out = {"port": self.cfg.agent_ports[self.cfg.groups[lane.index][0]], "draining": lane.sched.draining,
-               "state": lane.state.value}
-        if lane.sched.draining:
-            out["moved"] = lane.sched.moved - moved
-        else:
-            out["note"] = f"the agent went down during the drain ({lane.why}); its sequences were computed again elsewhere"
+        out = {"port": self._port(lane), "draining": lane.sched.draining, "state": lane.state.value,
+               "moved": lane.sched.moved - moved}
+        if not lane.live:
+            out["note"] = (f"the agent went down during the drain ({lane.why}); the sequences it still held were "
+                           "computed again elsewhere")
+        elif not lane.sched.draining:
+            out["note"] = "resumed before the drain finished: it schedules again, and keeps what it still held"
         return out

@@ -111,6 +111,7 @@ class Supervisor:
             log.warning("agent %d is back after %.1fs", lane.index, time.monotonic() - lane.down_since)
             self.metrics.agent_restarts.inc()
             lane.attach(msg.client)
+            lane.sched.draining = False  # a restarted agent takes work again (a drain's purpose was its restart)
             self.metrics.graph_compiles.inc(lane.new_compiles(msg.client.info.graph_compiles))
             return
         log.error("agent %d: restart failed: %s", lane.index, msg.error)

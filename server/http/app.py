@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.config import ServingConfig
 from server.http import lora, openai, ops, original, responses, tgi, web
-from server.http.api_keys import ApiKeys
+from server.http.api_keys import ApiKeys, LocalAdmin
 from server.http.body_limit import BodyLimit
 from server.http.errors import error_body
 from server.engine.engine import Engine
@@ -30,6 +30,8 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     if api_keys:  # outermost: nothing else runs for a request without a key
         app.add_middleware(ApiKeys, keys=api_keys, metrics_open=metrics_open)
+    else:
+        app.add_middleware(LocalAdmin)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:

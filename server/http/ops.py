@@ -18,7 +18,11 @@ router = APIRouter(tags=["operations"])
 @router.get("/health")
 async def health(f: Frontend = Depends(Frontend.of)) -> JSONResponse:
     status, why = f.engine.health()
-    return JSONResponse({"status": status, "reason": why}, status_code=200 if status in ("ok", "degraded") else 503)
+    draining = f.engine.drains.draining()  # ports nothing is scheduled on (they still answer: 200)
+    if draining:
+        why += f"; draining: port{'s' if len(draining) > 1 else ''} {', '.join(map(str, draining))}"
+    return JSONResponse({"status": status, "reason": why, "draining": draining},
+                        status_code=200 if status in ("ok", "degraded") else 503)
 
 
 @router.get("/metrics")

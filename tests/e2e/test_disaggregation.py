@@ -136,20 +136,48 @@ def test_a_drain_moves_running_streams_with_their_kv(dp, undisturbed):
     try:
         out: dict[str, Answer] = {}
         runner = threading.Thread(target=lambda: out.update(_all_at_once(srv.url)))
-        answer: dict = {}
-        drainer = threading.Thread(target=lambda: answer.update(
-            httpx.post(f"{srv.url}/admin/agents/{port}/drain", timeout=300).json()))
+        answers: list[dict] = []
+        drainers = [threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{srv.url}/admin/agents/{port}/drain", timeout=300).json())) for _ in range(2)]
         with srv.agents_paused():
             runner.start()
             srv.stats_until(lambda s: s["running"] > 0)
-            drainer.start()
+            for drainer in drainers:  # two at once: both answer, with one result
+                drainer.start()
             srv.stats_until(lambda s: s["draining"][0])
-        drainer.join(300)
+            health = httpx.get(f"{srv.url}/health", timeout=10).json()
+            assert health["draining"] == [port] and f"draining: port {port}" in health["reason"], health
+        for drainer in drainers:
+            drainer.join(300)
         runner.join(300)
-        assert answer["moved"] > 0 and answer["draining"], answer
+        assert len(answers) == 2 and answers[0] == answers[1], answers
+        assert answers[0]["moved"] > 0 and answers[0]["draining"] and "note" not in answers[0], answers
         assert out == undisturbed
         assert _metric(srv.url, "llm_serving_kv_tokens_discarded_total") == 0
         assert httpx.get(f"{srv.url}/stats", timeout=10).json()["kv_usage"][0] == 0.0  # it holds nothing
         assert _all_at_once(srv.url) == undisturbed  # served by agent 1 alone now
+        _a_resume_ends_a_drain_under_way(srv, port)
     finally:
         assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).json() == {"port": port, "draining": False}
+
+
+def _a_resume_ends_a_drain_under_way(srv: ServerProcess, port: int) -> None:
+    """A resume while a drain still moves sequences: the drain answers that it was resumed (not that
+    the agent went down), and the agent schedules again."""
+    assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).status_code == 200
+    out: dict[str, Answer] = {}
+    runner = threading.Thread(target=lambda: out.update(_all_at_once(srv.url)))
+    answer: dict = {}
+    drainer = threading.Thread(target=lambda: answer.update(
+        httpx.post(f"{srv.url}/admin/agents/{port}/drain", timeout=300).json()))
+    with srv.agents_paused():
+        runner.start()
+        srv.stats_until(lambda s: s["running"] > 0)
+        drainer.start()
+        srv.stats_until(lambda s: s["draining"][0])
+        assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).json() == {"port": port, "draining": False}
+        drainer.join(300)
+    runner.join(300)
+    assert len(out) == len(PROMPTS) + len(EXTRAS)
+    assert not answer["draining"] and answer["state"] == "live" and "resumed" in answer["note"], answer
+    assert httpx.get(f"{srv.url}/health", timeout=10).json()["draining"] == []
