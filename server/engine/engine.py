@@ -128,10 +128,11 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """/stats: the lanes' (lanes_stats), with requests still in the inbox or waiting for their
-        LoRA adapter's slot counted as waiting."""
+        LoRA adapter's slot counted as waiting, and the drain requests not answered yet."""
         s = lanes_stats(self.lanes)
         return {**s, "waiting": s["waiting"] + self.inbox.qsize() + len(self.adapters.parked), "steps": self.stepper.step_count,
-                "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time()}
+                "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time(),
+                "drains_waiting": sum(len(futures) for futures, _ in self.drains.pending.values())}
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:

@@ -144,7 +144,7 @@ def test_a_drain_moves_running_streams_with_their_kv(dp, undisturbed):
             srv.stats_until(lambda s: s["running"] > 0)
             for drainer in drainers:  # two at once: both answer, with one result
                 drainer.start()
-            srv.stats_until(lambda s: s["draining"][0])
+            srv.stats_until(lambda s: s["drains_waiting"] == 2)
             health = httpx.get(f"{srv.url}/health", timeout=10).json()
             assert health["draining"] == [port] and f"draining: port {port}" in health["reason"], health
         for drainer in drainers:
