@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(cfg, args.attach)
     log.info("step graphs: %s tokens (at most %d per step, %d sequences per agent)", cfg.token_buckets,
              cfg.mixed_step_tokens, cfg.max_running)
+    if cfg.spec_method:
+        log.info("speculative decoding: %s", speculative_line(cfg))
     removed = clean_stale_segments()
     if removed:
         log.info("removed %d stale shared-memory segment(s)", len(removed))
@@ -183,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug or an unforeseen environment: still one line (--verbose: the traceback)
         return start_failed(f"{type(exc).__name__}: {exc}", args.verbose)
     return serve(args, cfg, http, engine, tok, procs, started)
+
+
+def speculative_line(cfg: ServingConfig) -> str:
+    """The start log's account of speculative_config: the method and what it drafts."""
+    what = {"ngram": f"prompt lookup of {cfg.spec_lookup_min}-{cfg.spec_lookup_max} tokens",
+            "self_int8": "the served weights in int8", "draft": f"the model at {cfg.spec_draft_model}"}
+    limit = f", off above {cfg.spec_max_batch} running" if cfg.spec_max_batch else ""
+    return f"method {cfg.spec_method} ({what.get(cfg.spec_method, '')}), k = {cfg.spec_tokens} tokens a step{limit}"
 
 
 def serve(args: argparse.Namespace, cfg: ServingConfig, http: socket.socket, engine: Engine, tok: TextTokenizer, procs: list,

@@ -15,6 +15,7 @@ from server.http import original_format as orig
 from server.http.frontend import Frontend, primed
 from server.http.schemas import GenerateRequest
 from server.request import Delta
+from server.sampling_params import InvalidRequest
 
 router = APIRouter(tags=["original llm-serving"])
 ORIGINAL_TOP_K = 3
@@ -27,6 +28,8 @@ def _item(f: Frontend, d: Delta) -> dict[str, Any]:
 
 async def _generate(http: HttpRequest, f: Frontend, body: GenerateRequest, streaming: bool) -> Response:
     p = body.parameters
+    if p.top_n_tokens:  # the original's replies have no place for them: said, not dropped
+        raise InvalidRequest("parameters.top_n_tokens is not returned by the original API: use TGI's /generate")
     params = p.to_sampling_params(top_k=ORIGINAL_TOP_K)
     params.lora = f.check_model(p.adapter_name())
     ids = await f.prepare(body.inputs, params, ORIGINAL_MAX_NEW_TOKENS)

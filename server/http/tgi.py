@@ -19,6 +19,12 @@ def _details(reason: str, n: int, params: SamplingParams, toks: list[dict]) -> d
     return {"finish_reason": REASONS.get(reason, reason), "generated_tokens": n, "seed": params.seed, "tokens": toks}
 
 
+def _top_tokens(f: Frontend, d: Any) -> list[dict[str, Any]]:
+    """A token's `top_n_tokens` alternatives, as TGI lists them."""
+    return [{"id": i, "text": f.tok.decode([i], skip_special=False), "logprob": lp, "special": f.tok.is_special(i)}
+            for i, lp in d.top_logprobs]
+
+
 def _full_text(body: GenerateRequest) -> bool:
     return bool(body.parameters.return_full_text)  # TGI's default: off
 
@@ -32,6 +38,8 @@ async def generate(body: GenerateRequest, http: HttpRequest, f: Frontend = Depen
     out: dict[str, Any] = {"generated_text": (f.prompt_text(body.inputs, ids) + r.text) if _full_text(body) else r.text}
     if body.parameters.details is not False:  # TGI's default: on
         out["details"] = _details(r.finish_reason, len(r.tokens), params, [f.token_json(t) for t in r.tokens])
+        if body.parameters.top_n_tokens:
+            out["details"]["top_tokens"] = [_top_tokens(f, t) for t in r.tokens]
         if r.prompt_logprobs is not None:  # decoder_input_details
             out["details"]["prefill"] = [{"id": i, "text": f.tok.decode([i], skip_special=False), "logprob": lp}
                                          for i, lp, _ in r.prompt_logprobs]
@@ -55,11 +63,14 @@ async def generate_stream(body: GenerateRequest, http: HttpRequest, f: Frontend 
             if d.token_id is None and not d.finish_reason:
                 continue
             end = d.finish_reason is not None
-            yield sse({"token": f.token_json(d) if d.token_id is not None else {"id": None, "text": d.text,
-                                                                               "logprob": None, "special": True},
-                       "generated_text": ((f.prompt_text(body.inputs, ids) + full) if _full_text(body)
-                                          else full) if end else None,
-                       "details": _details(d.finish_reason, n, params, []) if end else None})
+            event = {"token": f.token_json(d) if d.token_id is not None else {"id": None, "text": d.text,
+                                                                              "logprob": None, "special": True},
+                     "generated_text": ((f.prompt_text(body.inputs, ids) + full) if _full_text(body)
+                                        else full) if end else None,
+                     "details": _details(d.finish_reason, n, params, []) if end else None}
+            if body.parameters.top_n_tokens:
+                event["top_tokens"] = _top_tokens(f, d)
+            yield sse(event)
 
     return StreamingResponse(await primed(events()), media_type="text/event-stream")
 

@@ -191,6 +191,25 @@ def test_tgi_root_route_with_huggingface_inference_client(server):
     assert "".join(e.token.text for e in events) == plain and events[-1].generated_text == plain
 
 
+def test_tgi_top_n_tokens_come_back_per_token(server):
+    """TGI's `top_n_tokens`: each generated token's alternatives in `details.top_tokens` (/generate)
+    and each stream event's `top_tokens`; the greedy token is the most likely one. The original API
+    has nowhere to put them and says so."""
+    params = {"max_new_tokens": 4, "top_n_tokens": 3, "details": True}
+    r = httpx.post(f"{server.url}/generate", json={"inputs": "hello", "parameters": params}, timeout=60).json()
+    tops = r["details"]["top_tokens"]
+    assert len(tops) == 4 and all(len(t) == 3 for t in tops)
+    for top, tok in zip(tops, r["details"]["tokens"]):
+        assert top[0]["id"] == tok["id"] and abs(top[0]["logprob"] - tok["logprob"]) < 1e-6
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"] and {"text", "special"} <= top[0].keys()
+    with httpx.stream("POST", f"{server.url}/generate_stream", json={"inputs": "hello", "parameters": params},
+                      timeout=60) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert [e["top_tokens"] for e in events] == tops
+    r = httpx.post(f"{server.url}/models/tiny/generate", json={"inputs": "hello", "parameters": params}, timeout=60)
+    assert r.status_code == 400 and "top_n_tokens" in r.text
+
+
 def test_chat_content_parts_and_roles(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     as_text = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],

@@ -135,9 +135,22 @@ def test_speculative_config_from_yaml_and_from_vllm_json(tmp_path):
     for text, says in (('{"method": "eagle"}', "eagle is not served"), ('{"method": "ngram", "k": 2}', "unknown keys ['k']"),
                        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                        ('{"method": "ngram", "prompt_lookup_min": 5}', "prompt_lookup_min = 5"), ("[1]", "JSON object"),
-                       ("{", "not JSON")):
+                       ("{", "not JSON"), ('{"num_speculative_tokens": 4}', "['num_speculative_tokens'] without method")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(None, **speculative_overrides(text))
+    path.write_text("speculative_config:\n  num_speculative_tokens: 5\n  prompt_lookup_max: 6\n")
+    with pytest.raises(ConfigError, match=re.escape("sets ['num_speculative_tokens', 'prompt_lookup_max'] without method")):
+        load_config(path)
+    path.write_text("speculative_config:\n  method: null\n")
+    assert load_config(path).spec_method is None  # the section with nothing set: off, as without it
+
+
+def test_the_start_log_names_the_speculative_method_and_k():
+    from common.config import load_config
+    from llm_serving.serve import speculative_line
+
+    cfg = load_config(None, spec_method="ngram", spec_tokens=5, spec_max_batch=8)
+    assert speculative_line(cfg) == "method ngram (prompt lookup of 2-4 tokens), k = 5 tokens a step, off above 8 running"
 
 
 def test_draft_model_methods_and_their_refusals():
