@@ -34,6 +34,7 @@ class Delta:
     error: str | None = None
     status: int = 500  # of an error: 503 when no agent can serve it (nothing was wrong with the request)
     prompt_logprobs: list[PromptToken] | None = None  # with the first token, where asked
+    cached_tokens: int | None = None  # with the first token: its prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,8 @@ class Scheduler(KvMoves):
             if not seq.table and not seq.scoring:
                 seq.table = self.blocks.match_prefix(seq.tokens, seq.params.adapter_key)
                 seq.computed = len(seq.table) * self.cfg.block_size
+            if seq.cached_tokens is None:
+                seq.cached_tokens = seq.computed
             n = step.chunk(seq)
             if n <= 0 or not self.blocks.grow(seq.table, seq.computed + n):
                 self.blocks.release(seq.table)

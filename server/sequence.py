@@ -34,6 +34,7 @@ class Sequence:
     spec: SpecState | None = None  # its drafting state (server/speculation.py), from its first decode
     handover: list[int] = field(default_factory=list)  # hand-over slots holding its KV while it moves between agents
     moved_at: float = 0.0  # when its KV last left an agent (the hand-over's time)
+    cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
 
     @property
     def tokens(self) -> list[int]:

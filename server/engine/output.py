@@ -86,6 +86,8 @@ class OutputProcessor:
         if reason:
             text += req.detok.finish()
         delta = Delta(token, text, _finite(logprob), [(i, _finite(lp)) for i, lp in top])
+        if first:
+            delta.cached_tokens = seq.cached_tokens or 0
         if first and p.prompt_logprobs is not None:
             delta.prompt_logprobs = prompt_logprobs(req)
         return delta, reason

@@ -37,6 +37,11 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []}
 
 
+def item_status(reason: str) -> str:
+    """A message item cut by max_output_tokens is incomplete, as its response is."""
+    return "incomplete" if reason == "length" else "completed"
+
+
 def call_item(call: dict[str, Any], status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
     fn = call["function"]
     return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
@@ -50,12 +55,13 @@ class Turn:
                  n_prompt: int):
         self.f, self.body, self.chat, self.history, self.n_prompt = f, body, chat, history, n_prompt
         self.id, self.created = _new_id("resp_"), int(time.time())
+        self.cached = 0  # prompt tokens the prefix cache served (the first token's event says)
 
     def response(self, status: str, output: list[dict[str, Any]], n_output: int = 0,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
         b = self.body
         usage = None if status == "in_progress" else {
-            "input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_output,
+            "input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": self.cached}, "output_tokens": n_output,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.n_prompt + n_output}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -73,7 +79,7 @@ class Turn:
         obj = self.response("incomplete" if reason == "length" else "completed", output, n_output)
         if self.body.store:
             said = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-            store.put(obj, self.history + self.body.items() + [said])
+            store.put(obj, self.history + self.body.items(self.history) + [said])
         return obj
 
 
@@ -96,10 +102,12 @@ async def create(body: ResponsesRequest, http: HttpRequest, f: Frontend = Depend
     if body.stream:
         return StreamingResponse(await primed(_events(http, turn, store, ids, params)), media_type="text/event-stream")
     [r] = await f.collect_all(http, ids, [params])
+    turn.cached = r.tokens[0].cached_tokens or 0 if r.tokens else 0
     msg, _ = reply_message(chat, r.text, r.finish_reason)
     calls = msg.get("tool_calls") or []
     text = msg["content"] or ""
-    output = ([message_item(_new_id("msg_"), text)] if text else []) + [call_item(c) for c in calls]
+    output = ([message_item(_new_id("msg_"), text, item_status(r.finish_reason))] if text else []) + [
+        call_item(c) for c in calls]
     return turn.finish(store, text, calls, r.finish_reason, len(r.tokens), output)
 
 
@@ -123,6 +131,8 @@ async def _events(http: HttpRequest, turn: Turn, store: ResponseStore, ids: list
             yield event("response.failed", response=turn.response("failed", [], n_output, err))
             return
         n_output += d.token_id is not None
+        if d.cached_tokens is not None:
+            turn.cached = d.cached_tokens
         piece = watch.feed(d.text) if watch else d.text
         if d.finish_reason:
             reason = d.finish_reason
@@ -138,7 +148,7 @@ async def _events(http: HttpRequest, turn: Turn, store: ResponseStore, ids: list
     if text:
         yield event("response.output_text.done", **part, text=text, logprobs=[])
         yield event("response.content_part.done", **part, part={"type": "output_text", "text": text, "annotations": []})
-        output.append(message_item(msg_id, text))
+        output.append(message_item(msg_id, text, item_status(reason)))
         yield event("response.output_item.done", output_index=0, item=output[-1])
     for call in calls or []:
         item, index = call_item(call), len(output)

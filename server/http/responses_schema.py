@@ -5,6 +5,7 @@ honour is a 400 naming it: built-in tools (web search, file search, ...), reason
 file inputs, and every field no model here declares."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,7 +32,7 @@ class FunctionTool(_Body):
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # always strict here: a required call is decoded under its schema
+    strict: bool = True  # the Responses API's default: the arguments follow the schema, no other keys
 
     @field_validator("type")
     @classmethod
@@ -43,7 +44,8 @@ class FunctionTool(_Body):
     def chat(self) -> dict[str, Any]:
         if not self.name:
             raise InvalidRequest("tools: a function tool needs a name")
-        fn = {"name": self.name, "parameters": self.parameters or {"type": "object", "properties": {}}}
+        schema = self.parameters or {"type": "object", "properties": {}}
+        fn = {"name": self.name, "parameters": strict_schema(schema) if self.strict else schema}
         return {"type": "function", "function": {**fn, **({"description": self.description} if self.description else {})}}
 
 
@@ -83,13 +85,17 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     truncation: Literal["disabled"] = "disabled"
 
-    def items(self) -> list[dict[str, Any]]:
-        """`input` as chat messages (consecutive function calls are one assistant turn)."""
+    def items(self, history: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """`input` as chat messages (consecutive function calls are one assistant turn), each call
+        naming a tool of this request with JSON arguments, each output answering a call before it
+        (in `input` or the stored `history`)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
+        calls = {c["id"] for m in history for c in m.get("tool_calls", [])}
         for i, item in enumerate(self.input):
             msg = input_message(item, f"input[{i}]")
+            check_call_item(msg, f"input[{i}]", {t.name for t in self.tools}, calls)
             if msg.get("tool_calls") and out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                 out[-1]["tool_calls"] += msg["tool_calls"]
             else:
@@ -98,8 +104,10 @@ class ResponsesRequest(_Body):
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatRequest:
         """The chat request this is, after the stored conversation `history` (previous_response_id)."""
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise InvalidRequest("max_output_tokens must be >= 1")
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        body: dict[str, Any] = {"model": self.model, "messages": system + history + self.items(),
+        body: dict[str, Any] = {"model": self.model, "messages": system + history + self.items(history),
                                 "max_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
                                 "response_format": self.text.response_format()}
@@ -114,6 +122,20 @@ class ResponsesRequest(_Body):
             e = exc.errors()[0]
             where = ".".join(str(x) for x in e["loc"]).replace("messages", "input (with instructions and history)")
             raise InvalidRequest(f"invalid request: {where}: {e['msg']}") from None
+
+
+def strict_schema(schema: Any) -> Any:
+    """A function's parameters as OpenAI's strict mode reads them: every object closed
+    (`additionalProperties: false`) and its properties required, where the schema does not say."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+        out.setdefault("required", list(out.get("properties", {})))
+    return out
 
 
 def _named(choice: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +168,23 @@ def input_message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(content, str):
         raise InvalidRequest(f"{where}.content: text or a list of text parts")
     return {"role": item.get("role"), "content": content}
+
+
+def check_call_item(msg: dict[str, Any], where: str, tools: set[str | None], calls: set[str]) -> None:
+    """A function_call names one of `tools` with a JSON object of arguments (its call_id joins
+    `calls`); a function_call_output answers one of `calls`. OpenAI answers 400 to the others."""
+    for call in msg.get("tool_calls", []):
+        fn = call["function"]
+        if fn["name"] not in tools:
+            raise InvalidRequest(f"{where}.name: {fn['name']!r} is not a function tool of this request")
+        try:
+            if not isinstance(json.loads(fn["arguments"]), dict):
+                raise ValueError
+        except ValueError:
+            raise InvalidRequest(f"{where}.arguments: a JSON object is required") from None
+        calls.add(call["id"])
+    if msg["role"] == "tool" and msg["tool_call_id"] not in calls:
+        raise InvalidRequest(f"{where}.call_id: no function_call with call_id {msg['tool_call_id']!r} comes before it")
 
 
 def _keys(item: dict[str, Any], allowed: set[str], where: str) -> None:

@@ -200,6 +200,11 @@ class _OpenAI(SamplingFields):
         if self.logit_bias:  # {} and null change nothing
             raise InvalidRequest("logit_bias is not supported")
         most = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        if most is not None and most < 1:  # named as the client sent it
+            raise InvalidRequest(f"{'max_tokens' if self.max_completion_tokens is None else 'max_completion_tokens'} "
+                                 "must be >= 1")
+        if not 0 <= self.temperature <= 2:
+            raise InvalidRequest("temperature must be in [0, 2]")
         fmt = compile_format(self.response_format)
         if fmt and grammar:
             raise InvalidRequest("response_format cannot be combined with a required tool call")

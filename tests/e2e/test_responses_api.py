@@ -46,6 +46,7 @@ def test_a_response_is_the_chat_completion_of_its_conversation(client):
     r = client.responses.create(model="tiny", input="hello", instructions="be brief", max_output_tokens=12,
                                 temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete"  # the message it cut, as the response
     assert r.output_text == _chat(client, [{"role": "system", "content": "be brief"},
                                            {"role": "user", "content": "hello"}], 12)
     assert r.usage.output_tokens == 12 and r.usage.total_tokens == r.usage.input_tokens + 12
@@ -73,10 +74,21 @@ def test_a_streamed_response_sends_the_typed_events(client):
                          "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.incomplete"]
+    assert events[-2].item.status == events[-1].response.output[0].status == "incomplete"
     assert len(deltas) > 2 and "".join(deltas) == client.responses.create(**args).output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     with pytest.raises(openai.NotFoundError):  # store false: nothing kept
         client.responses.retrieve(events[-1].response.id)
+
+
+def test_a_repeated_prompt_counts_its_cached_tokens(client):
+    args = dict(model="tiny", input="tell me about the sea " * 20, max_output_tokens=2, temperature=0, store=False)
+    first = client.responses.create(**args)
+    again = client.responses.create(**args)
+    assert first.usage.input_tokens_details.cached_tokens < first.usage.input_tokens
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+    streamed = [e for e in client.responses.create(**args, stream=True) if e.type == "response.incomplete"]
+    assert streamed[0].response.usage.input_tokens_details.cached_tokens == again.usage.input_tokens_details.cached_tokens
 
 
 def test_parse_into_a_pydantic_model(client):
@@ -106,6 +118,16 @@ def test_a_function_call_round_trip(client):
     ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}}, "nope"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "21 C"}], "tools": WEATHER},
+     "no function_call with call_id 'call_9'"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "21 C"}], "tools": WEATHER}, "call_2"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "rm_rf", "arguments": "{}"}], "tools": WEATHER},
+     "'rm_rf' is not a function tool"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "not json"}],
+      "tools": WEATHER}, "input[0].arguments: a JSON object"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be >= 1"),
+    ({"input": "x", "temperature": 3}, "temperature must be in [0, 2]"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(server, body, named):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": "tiny", **body}, timeout=30)

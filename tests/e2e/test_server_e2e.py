@@ -235,6 +235,19 @@ def test_seeded_sampling_is_reproducible_over_http(server):
     assert {text(s) for s in (8, 9, 10)} != {text(7)}
 
 
+@pytest.mark.parametrize("path, body, named", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, "max_tokens must be >= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens must be >= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 3},
+     "temperature must be in [0, 2]"),
+    ("/v1/completions", {"prompt": "x", "temperature": 100}, "temperature must be in [0, 2]"),
+])
+def test_a_refusal_names_the_field_the_client_sent(server, path, body, named):
+    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("path, body, raw", [
     ("/v1/completions", None, b"{not json"),
     ("/v1/completions", None, b'{"prompt": "\xff\xfe"}'),

@@ -39,3 +39,19 @@ def test_what_is_no_call_is_text_in_the_end():
     assert tail == "<tool_call>not json</tool_call>"
     sent, tail, calls = _stream(['{"colour": ', '"red"}'])  # JSON, but no call of a tool: text at the end
     assert sent == [] and tail == '{"colour": "red"}' and calls is None
+
+
+def test_function_tools_are_strict_unless_they_say_not():
+    """The Responses API's function tools default to strict: every object of the parameters closed
+    and its properties required, where the schema does not say otherwise; strict false keeps it."""
+    from server.http.responses_schema import FunctionTool
+
+    params = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "at": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+              "required": ["city"]}
+    strict = FunctionTool(type="function", name="f", parameters=params).chat()["function"]["parameters"]
+    assert strict["additionalProperties"] is False and strict["required"] == ["city"]
+    assert strict["properties"]["at"] == {"type": "object", "properties": {"lat": {"type": "number"}},
+                                          "additionalProperties": False, "required": ["lat"]}
+    loose = FunctionTool(type="function", name="f", parameters=params, strict=False).chat()["function"]["parameters"]
+    assert loose == params
