@@ -134,7 +134,7 @@ def lower(value: Any) -> str:
 
 WHAT = {as_int: "an integer", as_float: "a number", as_bool: "true or false", parse_bytes: "a byte count such as 8GiB",
         as_blocks: "an integer or auto", as_adapters: "{name: folder} or name=folder strings", as_names: "a name or a list of names", as_cores: "a list of core lists", as_hosts: "a list of hosts",
-        str: "a string"}
+        as_roles: f"a list of roles ({', '.join(ROLES)})", str: "a string"}
 
 
 def port_ok(v: int) -> bool:

@@ -57,6 +57,5 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
     app.state.responses = ResponseStore(cfg.responses_store_size, cfg.responses_ttl_s)
     for module in (original, tgi, openai, responses, ops, lora):
         app.include_router(module.router)
-    if cfg.web_ui:
-        app.include_router(web.router)
+    app.include_router(web.router if cfg.web_ui else web.off)
     return app

@@ -1,7 +1,7 @@
 """The chat page at `/` in a real browser: Debian's chromium driven by Playwright, against a real
 server that requires an API key. The page asks for the key (a message without it gets the 401),
-streams a reply equal to the API's, stops one mid-answer (the server cancels it), and JSON mode
-gives a reply that parses."""
+streams a reply equal to the API's, stops one mid-answer (the server cancels it), forgets one on New
+chat (cancelled too), and JSON mode gives a reply that parses."""
 from __future__ import annotations
 
 import json
@@ -66,6 +66,18 @@ def _metric(server, name: str) -> float:
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
 
 
+def test_the_page_loads_without_a_failed_request(browser, server):
+    page = browser.new_page(bypass_csp=True)
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
+    page.goto(server.url + "/")
+    page.wait_for_load_state("networkidle")
+    assert [u for u in failed if not u.endswith("/v1/models")] == []  # no key yet: the models' 401 is the ask
+    icon = page.locator("link[rel=icon]").get_attribute("href")  # browsers ask for one (a 404 on every load)
+    assert httpx.get(server.url + icon, timeout=10).headers["content-type"] == "image/svg+xml"
+    page.close()
+
+
 def test_without_the_key_the_page_asks_for_it_and_shows_the_401(browser, server):
     page = _open(browser, server, key=None)
     sync_api.expect(page.locator("#key-status")).to_contain_text("needs an API key")
@@ -96,6 +108,28 @@ def test_stop_mid_answer_cancels_it_on_the_server(browser, server):
         page.click("#stop")
     sync_api.expect(page.locator(".stats")).to_contain_text("stopped")
     page.wait_for_function(f"fetch('/metrics').then(r => r.text()).then(t => t.includes('{CANCELLED} {before + 1}'))")
+    page.close()
+
+
+def test_new_chat_mid_answer_cancels_it_and_forgets_it(browser, server):
+    """New chat while a reply streams: the server cancels it, Send works at once, the new chat shows
+    nothing of it, and the next request carries the new turn alone."""
+    page = _open(browser, server)
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions") else None)
+    before = _metric(server, CANCELLED)
+    _send(page, "tell me everything", temperature="0", max_tokens="950")
+    page.wait_for_function("document.querySelector('.msg.assistant').textContent.length > 0 && "
+                           "!document.getElementById('stop').disabled")
+    with server.agents_paused():  # the answer cannot end before the click
+        page.click("#clear")
+    assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
+    page.wait_for_function(f"fetch('/metrics').then(r => r.text()).then(t => t.includes('{CANCELLED} {before + 1}'))")
+    assert page.locator("#transcript > *").count() == 0  # nothing of the old answer came in after the click
+    _send(page, "second", temperature="0", max_tokens="4")
+    sync_api.expect(page.locator(".stats")).to_contain_text("TTFT")
+    assert bodies[-1]["messages"] == [{"role": "user", "content": "second"}]
+    assert page.locator(".stats").count() == 1 and page.locator(".msg").count() == 2
     page.close()
 
 

@@ -42,3 +42,18 @@ def test_admin_routes_answer_this_host_only_without_keys(path):
 
 def test_other_routes_answer_anyone_without_keys():
     assert _call("/v1/chat/completions", "192.0.2.7")[0] == 200
+
+
+def test_without_the_chat_page_get_slash_is_not_found():
+    """--no-web-ui: GET / is a 404 naming the switch (TGI's POST / alone answered it 405)."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from common.config import ServingConfig
+    from server.http.app import build_app
+
+    for web_ui, status in ((False, 404), (True, 200)):
+        cfg = ServingConfig(web_ui=web_ui).validate()
+        r = TestClient(build_app(SimpleNamespace(), cfg, SimpleNamespace())).get("/")
+        assert r.status_code == status and (web_ui or "--no-web-ui" in r.json()["error"]), r.text

@@ -210,3 +210,6 @@ def test_agent_roles_from_yaml_and_the_command_line_and_their_refusals(tmp_path)
             load_config(path, **overrides)
     remote = load_config(path, **two, agent_roles=["prefill", "decode"], agent_ip="10.0.0.2")  # hand-over over tcp
     assert remote.disaggregated
+    path.write_text("serving_config:\n  agent_ports: [7001, 7002]\n  agent_roles: [1, 2]\n")
+    with pytest.raises(ConfigError, match=re.escape("agent_roles = [1, 2]: must be a list of roles (both, prefill, decode)")):
+        load_config(path)

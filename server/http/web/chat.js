@@ -4,7 +4,9 @@
 "use strict";
 const $ = (id) => document.getElementById(id);
 const KEY_ITEM = "llm-serving-api-key";
-const state = { messages: [], model: null, controller: null, key: sessionStorage.getItem(KEY_ITEM) || "" };
+// `chat` counts conversations: a reply still streaming when New chat starts another is aborted and
+// then belongs to none (its text, stats and turn are dropped).
+const state = { messages: [], model: null, controller: null, chat: 0, key: sessionStorage.getItem(KEY_ITEM) || "" };
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -90,11 +92,11 @@ async function send(text) {
   stats.className = "stats";
   const t0 = performance.now();
   let first = null, tokens = 0, reply = "", note = "";
-  state.controller = new AbortController();
+  const chat = state.chat, controller = (state.controller = new AbortController());
   busy(true);
   try {
     const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(),
-                                                    body: JSON.stringify(body), signal: state.controller.signal });
+                                                    body: JSON.stringify(body), signal: controller.signal });
     if (!r.ok) {
       const err = await r.json().catch(() => ({}));
       if (r.status === 401) askForKey("This server needs an API key.");
@@ -118,9 +120,12 @@ async function send(text) {
       out.textContent = reply + (reply ? "\n" : "") + e.message;
     }
   } finally {
-    busy(false);
-    state.controller = null;
+    if (state.controller === controller) {
+      busy(false);
+      state.controller = null;
+    }
   }
+  if (chat !== state.chat) return;  // New chat came meanwhile: this reply is of no conversation now
   if (reply || note) state.messages.push({ role: "assistant", content: reply });
   else state.messages.pop();  // nothing came back: the turn is not part of the conversation
   if (first !== null) {
@@ -146,6 +151,10 @@ $("prompt").addEventListener("keydown", (e) => {
 });
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("clear").addEventListener("click", () => {
+  if (state.controller) state.controller.abort();  // the server stops generating it
+  state.controller = null;
+  busy(false);
+  state.chat += 1;
   state.messages = [];
   $("transcript").replaceChildren();
 });
