@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.config_keys import SPEC_METHODS
-from common.config_values import ROLES
+from common.config_values import ROLES, adapter_name_problem
 from common.cpu import isa_cap
 
 if TYPE_CHECKING:
@@ -46,6 +46,9 @@ def check_together(c: ServingConfig) -> None:
     if c.spec_lookup_min > c.spec_lookup_max:
         raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
                           f"({c.spec_lookup_max})")
+    for name in c.lora_modules:
+        if why := adapter_name_problem(name):
+            raise ConfigError(f"serving_config.lora_modules: {name[:64]!r}: {why}")
     clash = sorted(set(c.lora_modules) & {c.model_name, *c.model_aliases})
     if clash:
         raise ConfigError(f"serving_config.lora_modules: {clash} also name the base model")

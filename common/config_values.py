@@ -116,6 +116,19 @@ def as_adapters(v: Any) -> dict[str, str]:
     return dict(v)
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a LoRA adapter (None: it can). Names become `model` values, log words
+    and Prometheus labels: letters, digits and . _ : @ / - (a path-like `org/name` too), at most 128,
+    no `..`."""
+    if not ADAPTER_NAME.fullmatch(name) or ".." in name:
+        return ("a LoRA adapter's name is 1-128 letters, digits and . _ : @ / - starting with a letter or digit, "
+                "without '..'")
+    return None
+
+
 def as_blocks(v: Any) -> int:
     """pa_config.num_blocks: a count, or "auto" (0)."""
     return 0 if str(v).strip().lower() == "auto" else as_int(v)

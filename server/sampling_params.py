@@ -25,6 +25,7 @@ class LoraRef:
     name: str
     slot: int
     key: int
+    error: str = ""  # why it can have no slot now (its swap-in failed); "" with slot -1: unloaded
 
 
 @check_params

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from agent.lora.gguf_lora import read_gguf_adapter
 from agent.lora.peft import Adapter, AdapterError, read_peft_adapter
 from agent.model_config import ModelConfig
@@ -14,10 +16,15 @@ __all__ = ["AdapterError", "lora_slots", "read_adapter"]
 
 
 def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> Adapter:
-    """Adapter `name` for base `cfg` from a llama.cpp LoRA GGUF (a .gguf file) or a PEFT folder."""
-    if Path(path).suffix == ".gguf":
-        return read_gguf_adapter(name, path, cfg, max_rank)
-    return read_peft_adapter(name, path, cfg, max_rank)
+    """Adapter `name` for base `cfg` from a llama.cpp LoRA GGUF (a .gguf file) or a PEFT folder; one
+    holding NaN or infinities is refused (it loaded, and every request on it then failed)."""
+    read = read_gguf_adapter if Path(path).suffix == ".gguf" else read_peft_adapter
+    adapter = read(name, path, cfg, max_rank)
+    for (layer, module), mats in adapter.mats.items():
+        for part, m in zip("AB", mats):
+            if not np.isfinite(m).all():
+                raise AdapterError(f"LoRA adapter {name}: layer {layer} {module} lora_{part} holds NaN or infinite values")
+    return adapter
 
 
 def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:

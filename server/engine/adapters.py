@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from common.config import ServingConfig
+from common.config_values import adapter_name_problem
 from server.request import Request, Status
 from server.sampling_params import LoraRef
 from shm import protocol as P
@@ -60,6 +61,7 @@ class AdapterSlots:
         self._clock = itertools.count(1)
         self.pending: deque[Load] = deque()
         self.parked: deque[Request] = deque()  # waiting for their adapter to be in a slot, oldest first
+        self.broken: dict[int, str] = {}  # key -> why its swap-in failed (its parked requests fail with it)
 
     @property
     def names(self) -> list[str]:
@@ -104,6 +106,9 @@ class AdapterSlots:
                 self.parked.popleft()
                 continue
             key = req.params.lora.key
+            if key in self.broken:
+                out += self._fail_parked(key, self.broken.pop(key))
+                continue
             slot = self.slot_of(key)
             if slot < 0 and self._registered(key):
                 if not any(op.done is None for op in self.pending):
@@ -115,6 +120,18 @@ class AdapterSlots:
             live.add(key)  # placed: its adapter is no longer one to swap out
             out.append(req)
         return out
+
+    def _fail_parked(self, key: int, why: str) -> list[Request]:
+        """The parked requests of adapter `key`, out of the queue with `why` (the engine ends them); the
+        adapter stays registered, and a later request tries its swap again (its folder may be back)."""
+        failed = [r for r in self.parked if r.params.lora.key == key]
+        self.parked = deque(r for r in self.parked if r.params.lora.key != key)
+        return [self._with_error(r, why) for r in failed]
+
+    @staticmethod
+    def _with_error(req: Request, why: str) -> Request:
+        req.params.lora = replace(req.params.lora, slot=-1, error=why)
+        return req
 
     def _victim(self, live: set[int]) -> int:
         """An empty slot, else one whose adapter no placed request uses: an unloaded one first, then
@@ -152,9 +169,9 @@ class AdapterSlots:
                     continue
                 op.done.set_result(self._load(op, lanes, live) if op.path is not None else self._unload(op.name))
             except AdapterError as exc:
-                if op.done is None:  # the agents refused an adapter they took before: its requests fail
+                if op.done is None and op.name in self.by_name:  # refused now (its folder gone?): its requests fail
                     log.error("LoRA adapter %s could not be swapped in: %s", op.name, exc)
-                    self.by_name.pop(op.name, None)
+                    self.broken[self.by_name[op.name].key] = f"LoRA adapter `{op.name}` could not be loaded into a slot: {exc}"
                 else:
                     op.done.set_exception(exc)
 
@@ -173,6 +190,8 @@ class AdapterSlots:
     def _refusal(self, op: Load, live: set[int]) -> str | None:
         if not self.enabled:
             return "LoRA is off on this server: start it with serving_config.enable_lora (--enable-lora) or lora_modules"
+        if why := adapter_name_problem(op.name):
+            return f"lora_name {op.name[:64]!r}: {why}"
         if op.name in self.by_name or op.name in self.base:
             return f"The model `{op.name}` is already served"
         if self._victim(live) < 0:

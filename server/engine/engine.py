@@ -230,8 +230,10 @@ class Engine:
             self._assign(req)
 
     def _assign(self, req: Request) -> None:
-        if req.params.lora is not None and req.params.lora.slot < 0:
-            self.requests.end(req, "error", f"The model `{req.params.lora.name}` was unloaded", 404)
+        lora = req.params.lora
+        if lora is not None and lora.slot < 0:
+            self.requests.end(req, "error", lora.error or f"The model `{lora.name}` was unloaded",
+                              503 if lora.error else 404)
             return
         lanes = self.supervisor.open_lanes()
         if not lanes:

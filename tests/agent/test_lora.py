@@ -120,6 +120,11 @@ def test_rank_over_the_limit_a_module_we_lack_and_another_base_are_refused(tmp_p
     save_file({**tensors, key: np.zeros((16, 96), np.float32)}, folder / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="another base model"):
         read_adapter("x", folder, cfg, 16)
+    b = next(k for k in tensors if ".lora_B." in k)
+    save_file({**tensors, b: np.where(np.arange(tensors[b].size).reshape(tensors[b].shape) == 3, np.nan,
+                                      tensors[b]).astype(tensors[b].dtype)}, folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="lora_B holds NaN or infinite values"):  # it loaded; each request failed
+        read_adapter("x", folder, cfg, 16)
 
 
 def test_the_compile_cache_keeps_lora_graphs_apart():

@@ -134,6 +134,9 @@ def test_adapters_loaded_and_unloaded_at_run_time_and_after_an_agent_restart(ser
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "ft-a"}).status_code == 404
     r = _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-x", "lora_path": str(server.config_path)})
     assert r.status_code == 400 and "adapter_config.json" in r.text  # not a PEFT folder
+    for name in ("../../etc/passwd", "c1,c2", "x" * 5000):  # names become model names and metric labels
+        r = _post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(server.config_path)})
+        assert r.status_code == 400 and "a LoRA adapter's name is" in r.text, r.text
     folder_a = server.config["serving_config"]["lora_modules"]["ft-a"]
     assert _post(url, "/v1/load_lora_adapter", {"lora_name": "ft-a", "lora_path": folder_a}).status_code == 200
     assert _openai(url, "ft-a") == want_a  # into the slot of the unloaded ft-a, free first

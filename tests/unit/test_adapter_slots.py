@@ -57,3 +57,31 @@ def test_an_agent_restarted_gets_what_the_slots_hold_since_its_start():
     slots.apply([lane], [])
     slots.replay(lane.client)
     assert lane.loads == [(0, "b"), (0, "b")]  # the swap, then again into the restarted agent
+
+
+def test_a_swap_the_agents_refuse_fails_its_requests_saying_why_and_a_later_one_tries_again():
+    """An adapter whose folder went away after it was swapped out: its waiting requests fail naming
+    the agents' refusal (not "unloaded"), it stays registered, and a request after tries again."""
+    slots, lane = AdapterSlots(ServingConfig(lora_modules={"a": "/a", "b": "/b"}, max_loras=1)), Lane()
+    refuse = True
+
+    def call(cmd, header, timeout):
+        if refuse:
+            raise RuntimeError(f"no adapter_config.json in {header['path']}")
+        lane.loads.append((header["slot"], header["name"]))
+
+    lane.client = SimpleNamespace(call=call)
+    b1, b2 = _request(slots, "b"), _request(slots, "b")
+    assert not slots.place(b1) and not slots.place(b2)
+    slots.ready([])
+    slots.apply([lane], [])
+    failed = slots.ready([])
+    assert failed == [b1, b2] and all(r.params.lora.slot == -1 for r in failed)
+    assert "`b` could not be loaded into a slot" in b1.params.lora.error and "/b" in b1.params.lora.error
+    assert "b" in slots.names and not slots.parked
+    refuse = False
+    b3 = _request(slots, "b")
+    assert not slots.place(b3)
+    slots.ready([])
+    slots.apply([lane], [])
+    assert slots.ready([]) == [b3] and b3.params.lora.slot == 0 and not b3.params.lora.error

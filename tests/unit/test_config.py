@@ -182,7 +182,9 @@ def test_lora_modules_from_yaml_and_the_command_line_and_their_refusals(tmp_path
             as_adapters(bad)
     assert load_config(path, max_loras=1).max_loras == 1  # more adapters than slots: swapped in as requests want them
     for overrides, says in (({"lora_modules": {"smollm2": "/a"}}, "['smollm2'] also name the base model"),
-                            ({"max_lora_rank": 0}, "max_lora_rank")):
+                            ({"max_lora_rank": 0}, "max_lora_rank"),
+                            ({"lora_modules": {"../../etc/passwd": "/a"}}, "'../../etc/passwd': a LoRA adapter's name"),
+                            ({"lora_modules": {"c1,c2": "/a"}}, "'c1,c2'"), ({"lora_modules": {"x" * 5000: "/a"}}, "1-128 letters")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(path, **overrides)
     for served in ({"model_dtype": "int8"}, {"tensor_parallel_size": 2, "agent_ports": [61166, 61167]}):
