@@ -93,8 +93,12 @@ def describe() -> str:
         pass
     have, cap = cpu_flags(), isa_cap()
     yes, no = [f for f in FLAGS if f in have], [f for f in FLAGS if f not in have]
+    if cap and have == native_flags():  # a cap above this CPU: nothing is taken, nothing is added
+        capping = f"; {ISA_ENV}={cap} caps nothing here: this CPU has no more than that)"
+    else:
+        capping = f"; capped at {cap} by {ISA_ENV})" if cap else ")"
     return f"{name} ({os.cpu_count()} cores; {' '.join(yes) or 'none of ' + ' '.join(FLAGS)}" + (
-        f"; no {' '.join(no)}" if no else "") + (f"; capped at {cap} by {ISA_ENV})" if cap else ")")
+        f"; no {' '.join(no)}" if no else "") + capping
 
 
 def read_bandwidth(threads: int, size: int = 1 << 30) -> float:

@@ -245,12 +245,24 @@ def draft_dtype(cfg: ServingConfig) -> str:
     return "int8" if cfg.spec_method == "self_int8" else cfg.model_dtype
 
 
+def draft_files(cfg: ServingConfig, files: ModelFiles) -> tuple[ModelFiles, ModelShape]:
+    """The draft model's files and shape (`files`: the target's, self_int8's draft); a draft_model_path
+    that is missing or not a model served here is a ConfigError naming the key."""
+    if cfg.spec_method == "self_int8":
+        return files, model_shape(files)
+    try:
+        draft = resolve_model(cfg.spec_draft_model, None)
+        return draft, model_shape(draft)
+    except (ConfigError, OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"speculative_config.draft_model_path {cfg.spec_draft_model}: {exc}") from None
+
+
 def draft_costs(cfg: ServingConfig, files: ModelFiles) -> tuple[int, int]:
     """The draft model's weight bytes and KV bytes per target block (0, 0 without one): its cache has
     the target's num_blocks (agent/spec/draft_model.py)."""
     if cfg.spec_method not in ("self_int8", "draft"):
         return 0, 0
-    shape = model_shape(files if cfg.spec_method == "self_int8" else resolve_model(cfg.spec_draft_model, None))
+    shape = draft_files(cfg, files)[1]
     dtype = draft_dtype(cfg)
     kv = kv_block_bytes(shape, cfg.block_size, kv_dtype_for(cfg.kv_cache_dtype, dtype, cfg.device == "CPU"))
     return weight_bytes(shape, dtype), kv

@@ -13,7 +13,7 @@ from agent.spec.draft_model import DraftModelProposer
 from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.config import ConfigError, ServingConfig
-from common.memory import draft_dtype, model_shape
+from common.memory import ModelShape, draft_dtype, draft_files
 from common.model_files import ModelFiles, resolve_model
 from common.tokenizer import load_tokenizer
 
@@ -31,16 +31,15 @@ def same_vocabulary(target: Any, draft: Any, vocab: int) -> str | None:
     return None
 
 
-def draft_files(cfg: ServingConfig) -> ModelFiles:
-    return (resolve_model(cfg.model_path, cfg.model_cfg_path) if cfg.spec_method == "self_int8" else
-            resolve_model(cfg.spec_draft_model, None))
+def _draft_files(cfg: ServingConfig) -> tuple[ModelFiles, ModelShape]:
+    return draft_files(cfg, resolve_model(cfg.model_path, cfg.model_cfg_path))
 
 
 def draft_key(cfg: ServingConfig) -> str:
     """What the draft's graphs depend on (its shape and dtype), for the compile-cache key; "" for none."""
     if cfg.spec_method not in DRAFT_METHODS:
         return ""
-    return f"{cfg.spec_method}:{draft_dtype(cfg)}:{model_shape(draft_files(cfg))}"
+    return f"{cfg.spec_method}:{draft_dtype(cfg)}:{_draft_files(cfg)[1]}"
 
 
 def load_draft(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, target_tok: Any) -> DraftModelProposer | None:
@@ -50,7 +49,7 @@ def load_draft(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, target_tok
         return None
     from agent.runner import ModelRunner
 
-    files = draft_files(cfg)
+    files = _draft_files(cfg)[0]
     tok = target_tok if cfg.spec_method == "self_int8" else load_tokenizer(files, None)
     dtype = draft_dtype(cfg)
     model_cfg, weights = load_model(files, cfg.max_model_len, int8=dtype == "int8")

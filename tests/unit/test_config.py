@@ -153,8 +153,16 @@ def test_the_start_log_names_the_speculative_method_and_k():
     assert speculative_line(cfg) == "method ngram (prompt lookup of 2-4 tokens), k = 5 tokens a step, off above 8 running"
 
 
-def test_draft_model_methods_and_their_refusals():
+def test_draft_model_methods_and_their_refusals(tmp_path):
     from common.config import ConfigError, load_config, speculative_overrides
+    from common.memory import draft_costs
+    from common.model_files import resolve_model
+
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
+    for path, says in (("/nonexistent/draft", "not found"), (str(tmp_path), "'bert' is not supported")):
+        cfg = load_config(None, spec_method="draft", spec_draft_model=path)
+        with pytest.raises(ConfigError, match=re.escape(f"speculative_config.draft_model_path {path}: ") + ".*" + says):
+            draft_costs(cfg, resolve_model(cfg.model_path, cfg.model_cfg_path))
 
     over = speculative_overrides('{"method": "draft", "draft_model_path": "/m/draft", "num_speculative_tokens": 4}')
     assert over == {"spec_method": "draft", "spec_draft_model": "/m/draft", "spec_tokens": 4}
