@@ -161,6 +161,22 @@ def test_a_drain_moves_running_streams_with_their_kv(dp, undisturbed):
         assert httpx.post(f"{srv.url}/admin/agents/{port}/resume", timeout=60).json() == {"port": port, "draining": False}
 
 
+
+def test_a_drained_agent_takes_work_again_once_restarted(dp, undisturbed):
+    """README: a drained agent takes work again when it restarts (a drain's purpose); /health says so."""
+    port = dp.config["serving_config"]["agent_ports"][0]
+    assert httpx.post(f"{dp.url}/admin/agents/{port}/drain", timeout=300).json()["draining"]
+    assert httpx.get(f"{dp.url}/health", timeout=10).json()["draining"] == [port]
+    pid = holder(port)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while holder(port) in (None, pid) or httpx.get(f"{dp.url}/health", timeout=5).json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the killed agent did not come back"
+        time.sleep(0.1)
+    assert httpx.get(f"{dp.url}/health", timeout=10).json()["draining"] == []
+    assert not dp.stats_until(lambda s: True)["draining"][0]
+    assert _all_at_once(dp.url) == undisturbed
+
 def _a_resume_ends_a_drain_under_way(srv: ServerProcess, port: int) -> None:
     """A resume while a drain still moves sequences: the drain answers that it was resumed (not that
     the agent went down), and the agent schedules again."""
