@@ -3,6 +3,7 @@ files they read (the kernels' sources, the chat page), and no tests. A package l
 once left four agent folders out of it."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,8 +14,14 @@ PRODUCT = ("agent", "common", "server", "shm", "llm_serving")
 
 
 def test_the_wheel_holds_every_product_module_and_file(tmp_path):
+    src = tmp_path / "src"  # a copy: setuptools builds in the tree, and a build/ left there would be packed again
+    ignore = shutil.ignore_patterns("__pycache__", "fixtures")
+    for name in (*PRODUCT, "tools", "tests"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, cwd=tmp_path, timeout=600)
+                    str(tmp_path), str(src)], check=True, cwd=tmp_path, timeout=600)
     [wheel] = tmp_path.glob("llm_serving-*.whl")
     held = set(zipfile.ZipFile(wheel).namelist())
     want = {str(p.relative_to(ROOT)) for pkg in PRODUCT for p in (ROOT / pkg).rglob("*")
