@@ -69,6 +69,8 @@ class ServingConfig:
     max_num_batched_tokens: int = 0  # token budget per step; 0 = largest prefill bucket
     prefill_only_tokens: int = 0  # budget of a step while nothing decodes (prefill is faster in larger steps); 0 = the same
     schedule_policy: str = "fcfs"  # fcfs | sjf (shortest max_new_tokens first) | priority
+    routing: str = "prefix"  # ours: where a new request goes among agents (server/engine/routing.py)
+    routing_max_load_ratio: float = 1.5  # ours: prefix routing gives way to the least loaded agent past this
     step_timeout_s: float = 120.0  # a step longer than this: the agent is stuck, killed and restarted
     heartbeat_s: float = 5.0  # idle agents are pinged this often (remote agents exit after ~30 s of silence)
     max_agent_restarts: int = 5  # restarts in a row (no successful step between) before giving up

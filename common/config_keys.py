@@ -17,6 +17,7 @@ from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTY
 
 
 SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer", "speculative_config")
+ROUTINGS = ("prefix", "least_load")  # server/engine/routing.py's ROUTERS
 SPEC_METHODS = ("ngram", "self_int8", "draft")  # served; vLLM's others are refused by name (common.config_checks.check_together)
 # Whole sections accepted and not needed here, with why.
 IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
@@ -162,6 +163,15 @@ KEYS: list[Key] = [
         here="token budget while nothing decodes (0: the same)"),
     Key(S, "schedule_policy", "schedule_policy", str, lambda v: v in ("fcfs", "sjf", "priority"), "one of fcfs, sjf, priority",
         here="`fcfs`, `sjf` (shortest max_new_tokens first), `priority`"),
+    Key(S, "routing", "routing", lower, lambda v: v in ROUTINGS, "one of " + ", ".join(ROUTINGS),
+        here="ours: where a new request goes among data-parallel agents: `prefix` (the default) to the agent whose "
+             "prefix cache holds the longest part of its prompt (a conversation's next turn, a shared system prompt) "
+             "unless it is overloaded (`routing_max_load_ratio`), else the least loaded; `least_load` to the agent "
+             "with the fewest sequences"),
+    Key(S, "routing_max_load_ratio", "routing_max_load_ratio", as_float, lambda v: v >= 1, ">= 1",
+        here="ours: `prefix` routing takes the agent holding the prefix while its sequences (running and waiting) "
+             "are at most this times the least loaded agent's (or 4 more), and its free KV blocks hold the rest of "
+             "the prompt"),
     Key(S, "step_timeout_s", "step_timeout_s", as_float, lambda v: v >= 1,
         ">= 1 second (a shorter one kills agents in the middle of healthy steps)",
         here="a step longer than this: the agent is stuck, killed and restarted; " + SUPERVISION),

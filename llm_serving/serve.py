@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
+from common.config_keys import ROUTINGS
 from common.config_values import as_adapters, as_roles
 from common.config_values import parse_bytes
 from common.memory import plan as memory_plan
@@ -103,6 +104,8 @@ def parser() -> argparse.ArgumentParser:
                     "prefill or decode (prefill/decode disaggregation), e.g. prefill,decode")
     ap.add_argument("--no-web-ui", dest="web_ui", action="store_false", default=None,
                     help="serving_config.web_ui: false (no chat page at /)")
+    ap.add_argument("--routing", choices=ROUTINGS, help="serving_config.routing: where a new request goes among "
+                    "data-parallel agents (prefix: where its prompt's prefix is cached; least_load)")
     ap.add_argument("--host", dest="server_ip")
     ap.add_argument("--port", dest="server_port", type=int)
     ap.add_argument("--attach", action="store_true", help="use agents started by launch_agents")
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
                                                "overlap_steps", "web_ui", "device", "device_memory", "max_loras", "enable_lora",
-                                               "max_lora_rank")
+                                               "max_lora_rank", "routing")
                  if getattr(args, k) is not None}
     if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)
         overrides["enable_prefix_caching"] = False

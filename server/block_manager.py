@@ -87,6 +87,15 @@ class BlockManager:
             table.append(block)
         return table
 
+    def cached(self, hashes: list[Key]) -> int:
+        """How many of a key chain's first blocks this cache holds, taking no references: where a
+        request would find most of its prompt (server/engine/routing.py). Its admission checks the
+        blocks' tokens as match_prefix does."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.by_hash:
+            n += 1
+        return n
+
     def grow(self, table: list[int], length: int) -> bool:
         """Extend `table` to hold `length` tokens; False (and no change) if blocks run out."""
         need = self.blocks_needed(table, length)

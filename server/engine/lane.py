@@ -261,6 +261,7 @@ def lanes_stats(lanes: list[AgentLane]) -> dict[str, Any]:
             "waiting": sum(len(lane.sched.waiting) for lane in lanes),
             "agents_alive": sum(lane.live for lane in lanes),
             "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in lanes],
+            "cached_blocks": [len(lane.sched.blocks.by_hash) for lane in lanes],  # prefix-cache blocks each holds
             "draining": [lane.sched.draining for lane in lanes],
             "devices": [f"{lane.client.info.device}:{lane.client.info.device_id}" for lane in lanes],
             "memory": [{**lane.client.info.memory(), "rss_bytes": lane.rss_bytes} for lane in lanes]}

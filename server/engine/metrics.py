@@ -45,6 +45,12 @@ class Metrics:
                                       registry=r)
         self.graph_compiles = Counter("llm_serving_graph_compiles", "Model graphs built by the agents (warm-up "
                                       "included; none after ready)", registry=r)
+        self.agent_requests = Counter("llm_serving_agent_requests", "Requests (and recomputations) sent to each "
+                                      "agent (its first port)", ["agent"], registry=r)
+        self.routed_by_prefix = Counter("llm_serving_routed_by_prefix", "Requests sent to the agent holding their "
+                                        "prompt's prefix rather than the least loaded (serving_config.routing)", registry=r)
+        self.routed_prefix_tokens = Counter("llm_serving_routed_prefix_tokens", "Prompt tokens those requests found "
+                                            "cached beyond what the least loaded agent held", registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)
         # Speculative decoding (speculative_config): drafts the agents proposed and kept, and what a
         # drafting decode row emitted (its kept drafts and its own sample).

@@ -21,6 +21,7 @@ from server.engine.lane import AgentLane, LaneState
 from server.engine.messages import AgentBack, Message
 from server.engine.metrics import Metrics
 from server.engine.requests import Requests
+from server.engine.routing import ROUTERS
 from server.request import Request, Status
 from shm.endpoint import holder
 from shm.link import AgentLink
@@ -39,6 +40,7 @@ class Supervisor:
         self.cfg, self.lanes, self.requests, self.restart = cfg, lanes, requests, restart
         self.inbox, self.stop, self.metrics = inbox, stop, metrics
         self.stopping = False  # the server is shutting down: an agent that dies now stays down
+        self.router = ROUTERS[cfg.routing](cfg, metrics)  # where a new request goes (server/engine/routing.py)
 
     # ------------------------------------------------------------ routing
     def open_lanes(self) -> list[AgentLane]:
@@ -55,7 +57,8 @@ class Supervisor:
             self.requests.end(req, "error", "no agent that takes prompts is live", 503)
 
     def assign(self, req: Request, lanes: list[AgentLane]) -> None:
-        target = min(lanes, key=lambda lane: lane.sched.load)
+        target = self.router.choose(req.seq, lanes)
+        self.metrics.agent_requests.labels(str(self.cfg.agent_ports[self.cfg.groups[target.index][0]])).inc()
         req.lane = target.index
         target.sched.add(req.seq)
 
