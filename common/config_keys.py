@@ -170,7 +170,7 @@ KEYS: list[Key] = [
              "with the fewest sequences"),
     Key(S, "routing_max_load_ratio", "routing_max_load_ratio", as_float, lambda v: v >= 1, ">= 1",
         here="ours: `prefix` routing takes the agent holding the prefix while its sequences (running and waiting) "
-             "are at most this times the least loaded agent's (or 4 more), and its free KV blocks hold the rest of "
+             "are at most this times the least loaded agent's (or 16 more), and its free KV blocks hold the rest of "
              "the prompt"),
     Key(S, "step_timeout_s", "step_timeout_s", as_float, lambda v: v >= 1,
         ">= 1 second (a shorter one kills agents in the middle of healthy steps)",

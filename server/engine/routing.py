@@ -16,7 +16,10 @@ from server.engine.lane import AgentLane
 from server.engine.metrics import Metrics
 from server.sequence import Sequence
 
-SLACK = 4  # sequences an agent holding the prefix may have beyond routing_max_load_ratio x the least loaded's
+# Sequences an agent holding the prefix may have beyond the least loaded's whatever the ratio: with 4,
+# a multi-turn workload on two agents recomputed 9% more prompt than one agent (turns sent elsewhere
+# while their agent was a few sequences busier); with 16, none more (docs/benchmarks.md).
+SLACK = 16
 
 
 class Router(Protocol):

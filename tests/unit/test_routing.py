@@ -57,8 +57,8 @@ def test_an_overloaded_or_full_agent_gives_way_to_the_least_loaded():
     assert router.choose(_seq(CONVERSATION + [7]), lanes) is lanes[1]  # SLACK more: still its
     lanes[1].sched.load += 1
     assert router.choose(_seq(CONVERSATION + [7]), lanes) is lanes[0]
-    lanes[0].sched.load = 20  # 1.5 x 20 = 30: the prefix's agent is within the ratio again
-    lanes[1].sched.load = 30
+    lanes[0].sched.load = 40  # 1.5 x 40 = 60 > 40 + SLACK: the prefix's agent is within the ratio again
+    lanes[1].sched.load = 60
     assert router.choose(_seq(CONVERSATION + [7]), lanes) is lanes[1]
     small = [_lane(0, load=0), _lane(1, load=1, blocks=8)]
     _cache(small[1], CONVERSATION)
