@@ -52,6 +52,9 @@ class Pending:
     tag: Any = None  # what the caller sent a step with (the engine's plan): the one record of steps in flight
 
 
+PROC_CHECK_S = 0.05  # how stale a local agent's process state may be (its socket's events come at once)
+
+
 class Liveness:
     """Whether an agent is still there: its socket's connect/disconnect events and, for a local
     agent, its process."""
@@ -61,17 +64,22 @@ class Liveness:
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.connected = False
         self.dead = False
+        self.proc_read_at = -PROC_CHECK_S  # the last /proc read of the agent's state
 
     def check(self, pid: int | None, local: bool) -> None:
-        """Raises AgentDead if the agent is gone (cheap: a monitor poll and a /proc read)."""
+        """Raises AgentDead if the agent is gone: a monitor poll each time, and a /proc read at most
+        every PROC_CHECK_S (read on every poll, it was a tenth of the engine thread's time with 16
+        agents replying at once: tools/bench_ceiling.py)."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.dead = True
-        if pid and local and not pid_alive(pid):
-            self.dead = True
+        now = time.monotonic()
+        if pid and local and now - self.proc_read_at >= PROC_CHECK_S:
+            self.proc_read_at = now
+            self.dead = self.dead or not pid_alive(pid)
         if self.dead:
             raise AgentDead(f"agent at {self.address} is gone")
 

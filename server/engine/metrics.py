@@ -21,6 +21,9 @@ class Metrics:
                                    ["agent"], registry=r)
         self.ttft = Histogram("llm_serving_time_to_first_token_seconds", "TTFT", buckets=_LAT, registry=r)
         self.tpot = Histogram("llm_serving_time_per_output_token_seconds", "TPOT", buckets=_LAT, registry=r)
+        self.loop_lag = Histogram("llm_serving_event_loop_lag_seconds", "How late the HTTP event loop wakes a "
+                                  "10 ms timer (what every stream and request waits on it)",
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
         self.e2e = Histogram("llm_serving_e2e_request_latency_seconds", "End-to-end latency", buckets=_LAT,
                              registry=r)
         # A request's life cycle: arrival -> first scheduled -> first step sent -> last reply -> end.

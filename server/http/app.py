@@ -3,6 +3,7 @@ its Responses API, operations) over a shared Frontend. Handlers only parse, toke
 engine runs in its own thread."""
 from __future__ import annotations
 
+import asyncio
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -54,6 +55,11 @@ def build_app(engine: Engine, cfg: ServingConfig, tok: TextTokenizer, api_keys: 
         return await _api_error(request, ApiError(400, f"invalid request: {why}"))
 
     app.state.frontend = Frontend(engine, cfg, tok)  # what the routers' `Depends(Frontend.of)` returns
+
+    async def _lag_probe() -> None:  # runs for the app's life: its task ends with the loop
+        app.state.lag_probe = asyncio.get_running_loop().create_task(ops.watch_loop_lag(app.state.frontend))
+
+    app.router.on_startup.append(_lag_probe)
     app.state.responses = ResponseStore(cfg.responses_store_size, cfg.responses_ttl_s)
     for module in (original, tgi, openai, responses, ops, lora):
         app.include_router(module.router)

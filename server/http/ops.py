@@ -13,6 +13,16 @@ from server.engine.drain import DrainError
 from server.http.frontend import ApiError, Frontend
 
 router = APIRouter(tags=["operations"])
+LAG_PROBE_S = 0.01
+
+
+async def watch_loop_lag(f: Frontend) -> None:
+    """The event loop's lag as /metrics shows it: how late a 10 ms timer fires (the app's startup task)."""
+    loop, lag = asyncio.get_running_loop(), f.engine.metrics.loop_lag
+    while True:
+        t = loop.time()
+        await asyncio.sleep(LAG_PROBE_S)
+        lag.observe(max(0.0, loop.time() - t - LAG_PROBE_S))
 
 
 @router.get("/health")
