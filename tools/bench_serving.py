@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 
 from tools import lifecycle
+from tools.bench_report import add_server_overhead, plot_sweep, server_stats, goodput_line, print_table
 
 
 @dataclass
@@ -223,30 +224,6 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
             "errors": sorted({r.error for r in results if r.error})[:5]}
 
 
-def print_table(s: dict[str, Any], title: str = "Serving Benchmark Result") -> None:
-    w = 50
-    print(f"{' ' + title + ' ':=^{w}}")
-    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
-            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"), ("Total input tokens:", s["total_input_tokens"]),
-            ("Total generated tokens:", s["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-            ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
-    if "arrival_bound_throughput" in s:  # see summarize
-        rows.append(("Arrival bound (tok/s):", f"{s['arrival_bound_throughput']:.2f}"))
-        rows.append(("Share of the arrival bound:", f"{s['output_throughput'] / s['arrival_bound_throughput']:.1%}"))
-    for k, v in rows:
-        print(f"{k:<40}{v:>10}")
-    for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        print(f"{label:-^{w}}")
-        for stat in ("mean", "median", "p99"):
-            print(f"{stat.capitalize() + ' ' + name.upper() + ' (ms):':<40}{s[f'{stat}_{name}_ms']:>10.2f}")
-    print("=" * w)
-    for e in s["errors"]:
-        print(f"error: {e}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="llm-bench", description=__doc__)
     ap.add_argument("--base-url", default="http://127.0.0.1:8835")
@@ -264,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--sweep", help="comma-separated request rates; draws a throughput-latency PNG")
+    ap.add_argument("--goodput", metavar="TTFT_MS,TPOT_MS", help="with --sweep: the highest rate whose p99 TTFT and "
+                    "p99 TPOT stay within these bounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-result", help="JSON file for the summary (and per-request results)")
     args = ap.parse_args(argv)
@@ -283,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     base = args.base_url.rstrip("/")
     for rate in rates:
-        before, phases = _server_stats(base), lifecycle.snapshot(base)
+        before, phases = server_stats(base), lifecycle.snapshot(base)
         results, duration = asyncio.run(run_benchmark(reqs, args.backend, base, args.model,
                                                       rate, args.burstiness, args.max_concurrency, args.seed))
         s = summarize(results, duration)
         s["request_rate"] = rate
-        _add_server_overhead(s, before, _server_stats(base))
+        add_server_overhead(s, before, server_stats(base))
         s["server_breakdown"] = lifecycle.breakdown(phases, lifecycle.snapshot(base))
         summaries.append(s)
         print_table(s, f"rate {rate:g} req/s")
@@ -302,46 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                 path = path.with_name(f"{path.stem}_rate{rate:g}{path.suffix}")
             path.write_text(json.dumps({"summary": s, "requests": [asdict(r) for r in results]}, indent=1))
     if args.sweep:
-        _plot(summaries, Path(args.save_result or "bench").with_suffix(".png"))
+        plot_sweep(summaries, Path(args.save_result or "bench").with_suffix(".png"))
+    if args.goodput:
+        ttft_ms, tpot_ms = (float(x) for x in args.goodput.split(","))
+        print(goodput_line(summaries, ttft_ms, tpot_ms))
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
-
-
-def _server_stats(base: str) -> dict[str, Any] | None:
-    """Our server's counters (None for peers, which lack the endpoint)."""
-    try:
-        r = httpx.get(f"{base}/stats", timeout=10)
-        return r.json() if r.status_code == 200 and "server_cpu_s" in r.json() else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def _add_server_overhead(s: dict[str, Any], before: dict | None, after: dict | None) -> None:
-    """Server-process CPU time per agent step, relative to the step time (the engine overlaps
-    nothing with a step's wall time, so this is the server's share of the critical path bound)."""
-    if not before or not after or after["steps"] == before["steps"]:
-        return
-    steps = after["steps"] - before["steps"]
-    cpu = (after["server_cpu_s"] - before["server_cpu_s"]) / steps
-    step = (after["step_wall_s"] - before["step_wall_s"]) / steps
-    s.update(server_cpu_per_step_ms=cpu * 1e3, mean_step_ms=step * 1e3, server_cpu_share_of_step=cpu / step)
-
-
-def _plot(summaries: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([s["output_throughput"] for s in summaries], [s["p99_ttft_ms"] for s in summaries], "o-")
-    for s in summaries:
-        ax.annotate(f"{s['request_rate']:g}/s", (s["output_throughput"], s["p99_ttft_ms"]))
-    ax.set_xlabel("output tokens/s")
-    ax.set_ylabel("p99 TTFT (ms)")
-    ax.set_title("throughput vs latency")
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot saved to {path}")
 
 
 if __name__ == "__main__":

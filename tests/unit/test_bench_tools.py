@@ -23,3 +23,15 @@ def test_bench_random_range_ratio_draws_lengths_in_range():
     assert all(len(r.prompt.split()) == r.prompt_len for r in reqs)
     fixed = random_dataset(5, 128, 128, seed=1)
     assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(128, 128)}
+
+
+def test_goodput_is_the_highest_rate_within_both_bounds():
+    from tools.bench_report import goodput_line
+
+    def run(rate: float, ttft: float, tpot: float, failed: int = 0) -> dict:
+        return {"request_rate": rate, "p99_ttft_ms": ttft, "p99_tpot_ms": tpot, "failed": failed,
+                "output_throughput": 10 * rate}
+
+    sweep = [run(1, 100, 20), run(2, 180, 30), run(4, 150, 45), run(8, 900, 30), run(3, 100, 20, failed=1)]
+    assert goodput_line(sweep, 200, 40).startswith("goodput: 2 req/s (20.0 output tok/s)")
+    assert "no swept rate" in goodput_line(sweep, 50, 40)
