@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from common.config_checks import ConfigError, check_together
-from common.config_keys import KEYS, SECTIONS, SPEC_METHODS, notices
+from common.config_checks import ConfigError, check_spec_method, check_together
+from common.config_keys import KEYS, SECTIONS, notices
 from common.config_values import WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
@@ -246,15 +246,6 @@ def speculative_overrides(text: str) -> dict[str, Any]:
         raise ConfigError(f"--speculative-config {text}: a value is not of its key's type") from None
 
 
-def _check_spec_method(c: ServingConfig, section: dict[str, Any], overrides: dict[str, Any]) -> None:
-    """speculative_config keys without a method would be silently off: refused, as vLLM refuses them."""
-    rows = [k for k in KEYS if k.section == "speculative_config"]
-    given = {k.key for k in rows if section.get(k.key) is not None or overrides.get(k.attr) is not None}
-    if c.spec_method is None and given:
-        raise ConfigError(f"speculative_config sets {sorted(given)} without method: name one of "
-                          f"{', '.join(SPEC_METHODS)} (or leave the section out: no speculative decoding)")
-
-
 def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:
     body = doc.get(name) or {}
     if not isinstance(body, dict):
@@ -325,7 +316,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     for key, value in overrides.items():
         if value is not None:
             setattr(c, key, value)
-    _check_spec_method(c, sections["speculative_config"], overrides)
+    check_spec_method(c, sections["speculative_config"], overrides)
     c.validate()
     if c.token_buckets != c.listed_buckets:  # the ladder added sizes between the YAML's
         c.notices.append(c.bucket_notice())

@@ -3,9 +3,9 @@ the pool against one sequence, agent roles, LoRA and speculative decoding togeth
 environment's CPU cap; each refusal one line naming the key."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from common.config_keys import SPEC_METHODS
+from common.config_keys import KEYS, SPEC_METHODS
 from common.config_values import ROLES, adapter_name_problem
 from common.cpu import isa_cap
 
@@ -95,3 +95,12 @@ def _check_draft(c: ServingConfig) -> None:
     if c.spec_method in ("self_int8", "draft") and c.tensor_parallel_size > 1:
         raise ConfigError(f"speculative_config.method = {c.spec_method} with tensor_parallel_size "
                           f"{c.tensor_parallel_size}: draft models run on single-rank agents (ngram drafts on ranks)")
+
+
+def check_spec_method(c: ServingConfig, section: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """speculative_config keys without a method would be silently off: refused, as vLLM refuses them."""
+    rows = [k for k in KEYS if k.section == "speculative_config"]  # what the YAML or the command line set
+    given = {k.key for k in rows if section.get(k.key) is not None or overrides.get(k.attr) is not None}
+    if c.spec_method is None and given:
+        raise ConfigError(f"speculative_config sets {sorted(given)} without method: name one of "
+                          f"{', '.join(SPEC_METHODS)} (or leave the section out: no speculative decoding)")

@@ -106,8 +106,9 @@ class AdapterSlots:
                 self.parked.popleft()
                 continue
             key = req.params.lora.key
-            if key in self.broken:
-                out += self._fail_parked(key, self.broken.pop(key))
+            if key in self.broken:  # its parked requests fail; a later request tries its swap again
+                self.parked, failed = fail_parked(self.parked, key, self.broken.pop(key))
+                out += failed
                 continue
             slot = self.slot_of(key)
             if slot < 0 and self._registered(key):
@@ -120,18 +121,6 @@ class AdapterSlots:
             live.add(key)  # placed: its adapter is no longer one to swap out
             out.append(req)
         return out
-
-    def _fail_parked(self, key: int, why: str) -> list[Request]:
-        """The parked requests of adapter `key`, out of the queue with `why` (the engine ends them); the
-        adapter stays registered, and a later request tries its swap again (its folder may be back)."""
-        failed = [r for r in self.parked if r.params.lora.key == key]
-        self.parked = deque(r for r in self.parked if r.params.lora.key != key)
-        return [self._with_error(r, why) for r in failed]
-
-    @staticmethod
-    def _with_error(req: Request, why: str) -> Request:
-        req.params.lora = replace(req.params.lora, slot=-1, error=why)
-        return req
 
     def _victim(self, live: set[int]) -> int:
         """An empty slot, else one whose adapter no placed request uses: an unloaded one first, then
@@ -224,3 +213,12 @@ class AdapterSlots:
             if now != boot:
                 client.call(P.LOAD_ADAPTER, {"slot": slot, "name": now.name if now else "",
                                              "path": now.path if now else None}, 120.0)
+
+
+def fail_parked(parked: deque[Request], key: int, why: str) -> tuple[deque[Request], list[Request]]:
+    """The parked requests of adapter `key` taken out, each with `why` (the engine ends them), and the
+    others, in order. The adapter stays registered: its folder may be back for a later request."""
+    failed = [r for r in parked if r.params.lora.key == key]
+    for req in failed:
+        req.params.lora = replace(req.params.lora, slot=-1, error=why)
+    return deque(r for r in parked if r.params.lora.key != key), failed
