@@ -43,8 +43,10 @@ def _piece(f: Frontend, token: int) -> str:
     return f.tok.decode([token], skip_special=False)
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage; `cached`: the prompt tokens the prefix cache served (the first choice's)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _reason(reason: str) -> str:
@@ -109,7 +111,8 @@ async def _complete(http: HttpRequest, f: Frontend, body: CompletionRequest | Ch
         else:
             choice["text"] = echo + r.text
         choices.append(choice)
-    return JSONResponse({**base, "choices": choices, "usage": _usage(len(ids), sum(len(r.tokens) for r in results))})
+    cached = (results[0].tokens[0].cached_tokens or 0) if results[0].tokens else 0
+    return JSONResponse({**base, "choices": choices, "usage": _usage(len(ids), sum(len(r.tokens) for r in results), cached)})
 
 
 class _ChoiceStream:
@@ -177,17 +180,18 @@ async def _chunks(http: HttpRequest, f: Frontend, body: CompletionRequest | Chat
     streams = [_ChoiceStream(i, f, body, head, echo, plist[0].logprobs > 0, echo_lp) for i in range(len(plist))]
     for event in (e for s in streams for e in s.opening()):
         yield event
-    prompt_lp, n = None, 0
+    prompt_lp, n, cached = None, 0, None
     async for i, d in f.fan_out(http, ids, plist):
         if d.error:
             yield sse({"error": {"message": d.error, "type": "server_error", "code": 500}})
             break
         prompt_lp = prompt_lp or d.prompt_logprobs  # the first choice's first event carries them
         n += d.token_id is not None
+        cached = d.cached_tokens if cached is None and i == 0 else cached
         for event in streams[i].events(d, prompt_lp):
             yield event
     if body.stream_options.include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(len(ids), n)})
+        yield sse({**head, "choices": [], "usage": _usage(len(ids), n, cached or 0)})
     yield "data: [DONE]\n\n"
 
 

@@ -210,6 +210,18 @@ def test_tgi_top_n_tokens_come_back_per_token(server):
     assert r.status_code == 400 and "top_n_tokens" in r.text
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    args = dict(model="tiny", messages=[{"role": "user", "content": "the sea and the sky " * 4}], max_tokens=2,
+                temperature=0)
+    first, again = (client.chat.completions.create(**args).usage for _ in range(2))
+    assert first.prompt_tokens_details.cached_tokens < first.prompt_tokens
+    assert 0 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+    streamed = [c.usage for c in client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+                if c.usage]
+    assert streamed[0].prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+
+
 def test_chat_content_parts_and_roles(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     as_text = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
