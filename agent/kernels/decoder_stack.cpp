@@ -171,9 +171,16 @@ struct Lora {
         const std::vector<int64_t> &ts = by_slot[c.s];
         Rows rows{y, stride, out[k], c.s * per_slot + c.m * rank[k], c.s, slots, mask};
         const float *bs = b[k] + (layer * slots + c.s) * rank[k] * out[k];
-        size_t i = 0;
-        for (; i + 4 <= ts.size(); i += 4) rows.add<4>(&ts[i], bs, rank[k], c.begin, c.end);
-        for (; i < ts.size(); ++i) rows.add<1>(&ts[i], bs, rank[k], c.begin, c.end);
+        // Every token through the same 4-token code, a short last group filled with its last token
+        // (computed, not stored): a token's sums do not depend on where the step's other tokens put
+        // it. A separate one-token tail summed in another order (the compiler may reassociate each
+        // variant's loops its own way), so identical rows of one adapter came back apart.
+        for (size_t i = 0; i < ts.size(); i += 4) {
+          const size_t n = std::min<size_t>(4, ts.size() - i);
+          const int64_t group[4] = {ts[i], ts[i + std::min<size_t>(1, n - 1)], ts[i + std::min<size_t>(2, n - 1)],
+                                    ts[i + n - 1]};
+          rows.add(group, n, bs, rank[k], c.begin, c.end);
+        }
       }
     });
     for (int64_t t = 1; t < n; ++t) std::memmove(y + t * out[k], y + t * stride, out[k] * sizeof(float));
@@ -188,8 +195,9 @@ struct Lora {
     int64_t stride, w, u0, s, slots;
     const float *mask;
 
-    template <int NT>
-    void add(const int64_t *ts, const float *bs, int64_t r, int64_t begin, int64_t end) const {
+    // The first `n` of the NT tokens are stored (the others repeat one of them to fill the group).
+    void add(const int64_t *ts, size_t n, const float *bs, int64_t r, int64_t begin, int64_t end) const {
+      constexpr int NT = 4;
       constexpr int64_t OB = 16;
       float *row[NT];
       float coef[NT][MAX_RANK];  // the slot's x·A times its mask
@@ -208,11 +216,11 @@ struct Lora {
           for (int a = 0; a < NT; ++a)
             for (int64_t c = 0; c < OB; ++c) acc[a][c] += coef[a][j] * bj[c];
         }
-        for (int a = 0; a < NT; ++a)
+        for (size_t a = 0; a < n; ++a)
           for (int64_t c = 0; c < OB; ++c) row[a][o + c] = acc[a][c];
       }
       for (; o < end; ++o)
-        for (int a = 0; a < NT; ++a)
+        for (size_t a = 0; a < n; ++a)
           for (int64_t j = 0; j < r; ++j) row[a][o] += coef[a][j] * bs[j * w + o];
     }
   };

@@ -219,3 +219,15 @@ def test_gguf_adapters_we_cannot_serve_are_refused_by_name(tmp_path):
             (dict(tensors={**zeros, "blk.0.attn_v.weight.lora_b": np.zeros((64, 4), np.float32)}), "another base")]):
         with pytest.raises(AdapterError, match=re.escape(says)):
             read_adapter("x", _gguf_adapter(tmp_path / f"bad{n}.gguf", **kw), cfg, 16)
+
+
+def test_identical_rows_of_one_adapter_on_int8_give_the_bits_one_gives_alone():
+    """int8's integer sums make a row's base logits its own whatever the step holds; its adapter's
+    float shrink and expand must too: six copies of one prompt on one adapter in the same steps each
+    give the bits the prompt gives alone (8 identical greedy requests came back as 4-5 texts)."""
+    runner = lora_runner("llama-tf5", True, dtype="int8")
+    ids, _ = golden("llama-tf5", "all16")[0]
+    n = len(ids) - 16
+    alone = forced_logits(runner, [ids], [n], [2])[0]
+    for got in forced_logits(runner, [ids] * 6, [n] * 6, [2] * 6):
+        np.testing.assert_array_equal(got, alone)
