@@ -5,11 +5,23 @@ import os
 from pathlib import Path
 
 
-def _state(pid: int) -> str | None:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name ([] when gone)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _state(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (0 when gone)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,27 +12,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 from common.cpu import describe
-from tools import server_process
+from common.procs import cpu_seconds
+from tools import lifecycle, server_process
 from tools.bench_serving import random_dataset, run_benchmark, summarize
 
 FIRST_PORT = 61300
 
 
 def lag_buckets(base: str) -> dict[float, float]:
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    return {float(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r'llm_serving_event_loop_lag_seconds_bucket\{le="([0-9.e+inf]+)"\} ([0-9.e+]+)', text) if m.group(1) != "+Inf"}
+    """The event-loop lag histogram's cumulative counts by bucket bound (/metrics)."""
+    prefix = 'llm_serving_event_loop_lag_seconds_bucket{le="'
+    return {float(k[len(prefix):-2]): v for k, v in lifecycle.samples(base).items()
+            if k.startswith(prefix) and "+Inf" not in k}
 
 
 def p99(before: dict[float, float], after: dict[float, float]) -> float:
@@ -54,14 +54,14 @@ def one_size(cfg_path: Path, n: int, args: argparse.Namespace, folder: Path) -> 
             reqs = random_dataset(concurrency * args.requests, 16, args.output_len, seed=n)
             asyncio.run(run_benchmark(reqs[:concurrency], "openai", base, model, float("inf"), 1.0, concurrency, 0,
                                       progress=False))  # warm
-            lag0, cpu0, sim0 = lag_buckets(base), _cpu(server.pid), _cpu(sims.pid)
+            lag0, cpu0, sim0 = lag_buckets(base), cpu_seconds(server.pid), cpu_seconds(sims.pid)
             client0, t0 = time.process_time(), time.perf_counter()
             results, wall = asyncio.run(run_benchmark(reqs, "openai", base, model, float("inf"), 1.0, concurrency, 0,
                                                       progress=False))
             s = summarize(results, wall)
             s.update(agents=n, concurrency=concurrency, lag_p99_s=p99(lag0, lag_buckets(base)),
-                     server_cpu=(_cpu(server.pid) - cpu0) / (time.perf_counter() - t0),
-                     agents_cpu=(_cpu(sims.pid) - sim0) / (time.perf_counter() - t0),
+                     server_cpu=(cpu_seconds(server.pid) - cpu0) / (time.perf_counter() - t0),
+                     agents_cpu=(cpu_seconds(sims.pid) - sim0) / (time.perf_counter() - t0),
                      client_cpu=(time.process_time() - client0) / (time.perf_counter() - t0))
             return s
         finally:
@@ -70,12 +70,6 @@ def one_size(cfg_path: Path, n: int, args: argparse.Namespace, folder: Path) -> 
     finally:
         sims.terminate()
         sims.wait(60)
-
-
-def _cpu(pid: int) -> float:
-    """User + system seconds of a process (/proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tools import lifecycle
 from tools.bench_serving import _WORDS
 
 
@@ -100,18 +100,9 @@ async def run(convs: list[Conversation], base: str, model: str, output_len: int)
 
 
 def server_counters(base: str) -> dict[str, float]:
-    """Our server's prompt-token and per-agent request counters ({} for a peer without them)."""
-    try:
-        text = httpx.get(f"{base}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"(llm_serving_(?:prompt_tokens|prefill_tokens_computed|agent_requests|routed_by_prefix)_total)"
-                     r"(\{[^}]*\})? ([0-9.e+]+)$", line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
+    """Our server's prompt-token, per-agent request and routing counters ({} for a peer without them)."""
+    keep = (lifecycle.PROMPT, lifecycle.PREFILL, "llm_serving_agent_requests_total", "llm_serving_routed_by_prefix_total")
+    return {k: v for k, v in lifecycle.samples(base).items() if k.startswith(keep)}
 
 
 def summarize(convs: list[Conversation], wall: float, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
@@ -126,9 +117,9 @@ def summarize(convs: list[Conversation], wall: float, before: dict[str, float], 
                          "tpot_p99_ms": float(np.percentile(tpot, 99)) if len(tpot) else 0.0,
                          "errors": sorted({t.error for t in turns if t.error})[:3]}
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    prompt = delta.get("llm_serving_prompt_tokens_total", 0.0)
+    prompt = delta.get(lifecycle.PROMPT, 0.0)
     if prompt:
-        s["prompt_computed_share"] = delta.get("llm_serving_prefill_tokens_computed_total", 0.0) / prompt
+        s["prompt_computed_share"] = delta.get(lifecycle.PREFILL, 0.0) / prompt
         s["agent_requests"] = [v for k, v in sorted(delta.items()) if k.startswith("llm_serving_agent_requests_total")]
         s["routed_by_prefix"] = delta.get("llm_serving_routed_by_prefix_total", 0.0)
     return s

@@ -13,19 +13,29 @@ PREFILL = "llm_serving_prefill_tokens_computed_total"
 PROMPT = "llm_serving_prompt_tokens_total"
 
 
-def snapshot(base: str) -> dict[str, float] | None:
-    """Sums and counts of the life-cycle histograms and the prompt counters; None for servers
-    without them (peers)."""
+def samples(base: str) -> dict[str, float]:
+    """Every sample of a server's /metrics, by name with its labels (`name{label="x"}`); {} when it
+    has none there (a peer without the endpoint)."""
     try:
         text = httpx.get(f"{base}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return None
-    wanted = {f"{m}{s}" for m in PHASES.values() for s in ("_sum", "_count")} | {PREFILL, PROMPT}
+        return {}
     out = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in wanted:
-            out[name] = float(value)
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def snapshot(base: str) -> dict[str, float] | None:
+    """Sums and counts of the life-cycle histograms and the prompt counters; None for servers
+    without them (peers)."""
+    wanted = {f"{m}{s}" for m in PHASES.values() for s in ("_sum", "_count")} | {PREFILL, PROMPT}
+    out = {k: v for k, v in samples(base).items() if k in wanted}
     return out if len(out) == len(wanted) else None
 
 

@@ -83,6 +83,10 @@ class Drains:
             for done in waiting:
                 done.set_result(self._result(lane, moved))
 
+    def waiting(self) -> int:
+        """Drain requests not answered yet (/stats)."""
+        return sum(len(futures) for futures, _ in self.pending.values())
+
     def draining(self) -> list[int]:
         """The ports of the agents drained now (nothing is scheduled there)."""
         return [self._port(lane) for lane in self.lanes if lane.sched.draining]

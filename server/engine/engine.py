@@ -132,7 +132,7 @@ class Engine:
         s = lanes_stats(self.lanes)
         return {**s, "waiting": s["waiting"] + self.inbox.qsize() + len(self.adapters.parked), "steps": self.stepper.step_count,
                 "step_wall_s": self.stepper.step_wall_s, "server_cpu_s": time.process_time(),
-                "drains_waiting": sum(len(futures) for futures, _ in self.drains.pending.values())}
+                "drains_waiting": self.drains.waiting()}
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
