@@ -7,18 +7,19 @@ import time
 from typing import Any
 
 from agent.graph_call import device_free_memory, setup_mindspore
-from agent.lora import AdapterError, lora_slots
+from agent.lora import lora_slots
 from agent.model.calibrate import CALIBRATION_TEXT
 from agent.model_config import ModelConfig
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig, compile_cache_key
-from agent.spec import proposer_for
-from agent.spec.draft_load import draft_key, load_draft
+from agent.speculative import load_proposer
+from agent.speculative.draft_load import draft_key
 from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.config import ConfigError, ServingConfig
 from common.cpu import describe
 from common.grammar import ll_tokenizer
+from common.lora import AdapterError
 from common.memory import ModelShape, activation_bytes, kv_head_bytes, plan as memory_plan
 from common.model_files import ModelFiles, model_identity, resolve_model
 from common.tokenizer import load_tokenizer
@@ -61,7 +62,7 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
     runner = ModelRunner(model_cfg, weights, rc, seed=index // tp,
                          calibration=tok.encode(CALIBRATION_TEXT) if int8 else None,
                          grammar_tokenizer=ll_tokenizer(tok, model_cfg.vocab_size),
-                         proposer=proposer_for(cfg) or load_draft(cfg, rc, model_cfg.vocab_size, tok), lora=lora)
+                         proposer=load_proposer(cfg, rc, model_cfg.vocab_size, tok), lora=lora)
     del weights
     log.info("model weights in memory: %.0f MiB (%s%s) on %s:%d (as MindSpore reports it)",
              runner.model.weight_bytes / 2**20, cfg.model_dtype,
@@ -86,7 +87,7 @@ def _agent_info(cfg: ServingConfig, files: ModelFiles, model_cfg: ModelConfig, r
                      launcher_pid=owner_pid,  # a server attached to us sees whether anyone will restart us
                      tp_rank=runner.rc.tp.rank, tp_size=runner.rc.tp.size, pads_cost=not m.one_op_stack,
                      planned_bytes=memory_plan(cfg, files, 1).per_agent if cfg.device == "CPU" else 0,
-                     speculative=runner.seqs.proposer.method if runner.seqs.proposer is not None else "",
+                     speculative=runner.speculator.method if runner.speculator is not None else "",
                      adapters=tuple(cfg.lora_modules)[:cfg.max_loras], kv_layout=kv_layout(cfg, model_cfg, runner.kv_dtype))
 
 

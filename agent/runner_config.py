@@ -83,7 +83,7 @@ class RunnerConfig:
 def compile_cache_key(model_cfg: ModelConfig, rc: RunnerConfig, draft: str = "") -> str:
     """What the cached graphs depend on besides our sources: the model's shape, the KV pool and the
     exact warm-up sequence (MindSpore names cached graphs by compile order, see `freeze_compile_cache`);
-    `draft`: the draft model's graphs that follow (agent.spec.draft_load.draft_key)."""
+    `draft`: the draft model's graphs that follow (agent.speculative.draft_load.draft_key)."""
     return (f"{model_cfg}|{rc.model_dtype}|{rc.kv_cache_dtype}|{rc.int8_group}|{rc.num_blocks}|{rc.block_size}|"
             f"{rc.max_model_len}|{rc.graph_shapes()}|tp{rc.tp.rank}/{rc.tp.size}|lora{rc.lora}|draft{draft}")
 

@@ -143,3 +143,12 @@ def sample(logits: np.ndarray, lse: np.ndarray, params: SamplingColumns, histori
     ids[failed] = -1
     logprobs = (raw[np.arange(rows), np.maximum(ids, 0)] - lse).astype(np.float32)
     return StepOutputs(ids, logprobs, top_ids, top_lps)
+
+
+def write_samples(out: StepOutputs, rows: slice | np.ndarray, res: StepOutputs) -> None:
+    """The sampled tokens, their logprobs and top alternatives into the arena's outputs."""
+    out.ids[rows] = res.ids
+    out.logprobs[rows] = res.logprobs
+    n = res.top_ids.shape[1]
+    out.top_ids[rows, :n] = res.top_ids
+    out.top_logprobs[rows, :n] = res.top_logprobs

@@ -10,8 +10,9 @@ import numpy as np
 
 from agent.grammar import Grammars
 from agent.logits_dump import LogitsDump
-from agent.sampling import needs_penalty
-from shm.step import SamplingColumns, StepInputs
+from agent.sampling import needs_penalty, sample
+from agent.speculative.proposer import Proposer
+from shm.step import SamplingColumns, StepInputs, StepOutputs, StepView
 
 
 class TokenLog:
@@ -33,13 +34,14 @@ class TokenLog:
 
 
 class SequenceState:
-    def __init__(self, proposer: Any = None) -> None:
-        """`proposer`: drafts tokens for rows with `spec` (agent/spec/); then every sequence's history is kept."""
+    def __init__(self, seed: int = 0, proposer: Proposer | None = None) -> None:
+        """`proposer`: drafts tokens for rows with `spec` (agent/speculative/); then every sequence's history is kept."""
         self.histories: dict[int, TokenLog] = {}  # fed tokens of rows that use penalties (all, with a proposer)
         self.last: dict[int, int] = {}  # each sequence's last sampled token: what a fed row takes as input
         self.dump = LogitsDump.from_env()  # the contest's raw-logit precision files (--dump-logits)
         self.grammars: Grammars | None = None  # set by the agent's boot where the tokenizer is at hand
         self.proposer = proposer
+        self.rng = np.random.default_rng(seed)  # sampling's: one seed per replica (every rank samples alike)
 
     def free(self, seqs: list[int]) -> None:
         if self.proposer is not None:
@@ -117,19 +119,26 @@ class SequenceState:
         if seq in self.histories:
             self.histories[seq].extend(drafts)
 
-    def draft(self, x: StepInputs, tokens: np.ndarray, starts: np.ndarray, unfed: np.ndarray) -> np.ndarray:
-        """Fill each drafting row's draft slots in `tokens` (after `track` took its fed token) with its
-        proposer's drafts; returns how many each row got (the rest stay placeholders, never accepted)."""
-        drafted = np.zeros(x.spec_len.shape[0], np.int32)
-        if self.proposer is None:
-            return drafted
-        rows = [int(r) for r in np.nonzero(x.spec_len)[0]
-                if not unfed[r] and int(x.seq_ids[r]) in self.histories]
-        logs = [self.histories[int(x.seq_ids[r])].view() for r in rows]
-        for r, d in zip(rows, self.proposer.propose_step(x, starts, rows, logs)):
-            tokens[starts[r] + 1:starts[r] + 1 + d.size] = d
-            drafted[r] = d.size
-        return drafted
+    def sample(self, v: StepView, logits: np.ndarray, lse: np.ndarray, rows: slice | np.ndarray,
+               unfed: np.ndarray, offset: int = 0) -> StepOutputs:
+        """The sampled rows' tokens under their grammars' masks; a row whose input was unknown or whose
+        grammar is in error gets -1 (it fails, its neighbours go on). `offset`: the position within
+        rows being verified (their output so far is that many tokens longer)."""
+        seq_ids = v.inputs.seq_ids[rows]
+        hist = [self.history(int(s)) for s in seq_ids]
+        g = self.grammars
+        constrained = g.constrained(seq_ids) if g is not None else []
+        failed = g.mask(logits, constrained) if constrained else None
+        cols = v.sampling.take(rows)
+        if offset:
+            cols.output_len = cols.output_len + offset
+        res = sample(logits, lse, cols, hist, self.rng)
+        res.ids[unfed[rows]] = -1
+        if constrained:
+            res.ids[failed] = -1
+            g.consume(constrained, res.ids)
+        self.sampled(seq_ids, res.ids)
+        return res
 
     def history(self, seq: int) -> np.ndarray | None:
         h = self.histories.get(seq)

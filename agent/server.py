@@ -8,12 +8,13 @@ import os
 import time
 import traceback
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from agent.kv_handover import Handovers
-from agent.lora import AdapterError, read_adapter
+from agent.handover import Handovers
+from agent.lora import load_into_slot
+from common.lora import AdapterError
 from agent.runner_config import graph_for
 from common.procs import pid_alive, rss_bytes
 from shm import protocol as P
@@ -22,6 +23,9 @@ from shm.curve import KeyFolder
 from shm.messages import AgentInfo, StepReply
 from shm.step import check_decode, check_indices
 from shm.transport import load_step_frames, step_header_dims
+
+if TYPE_CHECKING:  # MindSpore: the runner is built once the process is pinned (agent/main.py)
+    from agent.runner import ModelRunner
 
 log = logging.getLogger("llm_serving.agent")
 IDLE_POLL_MS = 500
@@ -52,12 +56,29 @@ def check_identity(info: AgentInfo, h: dict[str, Any]) -> None:
                                                  f"{name}={ours!r} (start both from the same YAML and model)")
 
 
+def read_step(arena: Arena, msg: P.Message, dims: Any, runner: "ModelRunner", local: bool) -> tuple[Any, list, int]:
+    """A step command's view of its arena slot, checked (ids, blocks, positions; a decode's rows), its
+    KV frames (a tcp agent's, after the step's tensors) and the token bucket whose graph runs it."""
+    if not arena.spec.fits(dims):
+        raise CommandError(P.E_BAD_STEP, f"step {dims} exceeds the arena {arena.spec}")
+    try:
+        kv_frames = msg.frames if local else load_step_frames(arena, msg)
+        v = arena.step(dims)
+        rc = runner.rc
+        check_indices(v, runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
+        if msg.cmd == P.DECODE_STEP:
+            check_decode(v)
+        return v, kv_frames, graph_for(v.inputs, rc)[0]
+    except (ValueError, OSError) as exc:
+        raise CommandError(P.E_BAD_STEP, str(exc)) from None
+
+
 class AgentServer:
     """Serves one server at a time: `#` attaches it (bound to its ZeroMQ routing id), `e` or its
     death detaches it, `r` detaches whoever is attached. The agent itself runs until SIGTERM, until
     the process that launched it (`owner_pid`) is gone, or after a fatal step."""
 
-    def __init__(self, address: str, runner: Any, info: AgentInfo, owner_pid: int | None = None,
+    def __init__(self, address: str, runner: "ModelRunner", info: AgentInfo, owner_pid: int | None = None,
                  curve: KeyFolder | None = None):
         """`curve`: keys for a tcp agent (shm/curve.py): only listed servers get through."""
         self.address, self.runner, self.info, self.owner_pid, self.curve = address, runner, info, owner_pid, curve
@@ -120,18 +141,8 @@ class AgentServer:
         if not h["slot"] < len(self.arenas):
             raise CommandError(P.E_BAD_STEP, f"slot {h['slot']} outside the arena's {len(self.arenas)}")
         arena = self.arenas[h["slot"]]
-        if not arena.spec.fits(dims):
-            raise CommandError(P.E_BAD_STEP, f"step {dims} exceeds the arena {arena.spec}")
+        v, kv_frames, graph_tokens = read_step(arena, msg, dims, self.runner, local=self.segment is not None)
         try:
-            kv_frames = msg.frames  # the frames after the step's tensors (a tcp agent's) carry KV
-            if self.segment is None:
-                kv_frames = load_step_frames(arena, msg)
-            v = arena.step(dims)
-            rc = self.runner.rc
-            check_indices(v, self.runner.cfg.vocab_size, rc.num_blocks, rc.block_size, rc.max_model_len)
-            if msg.cmd == P.DECODE_STEP:
-                check_decode(v)
-            graph_tokens, _ = graph_for(v.inputs, self.runner.rc)
             self.handovers.check(h, kv_frames)
         except (ValueError, OSError) as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
@@ -149,14 +160,10 @@ class AgentServer:
         """`l`: the PEFT folder at `path` (None: nothing) into LoRA slot `slot`, from the next step on."""
         if peer != self.peer:
             raise CommandError(P.E_NOT_ATTACHED, "l from a server that is not attached (send # first)")
-        r = self.runner
         try:
-            adapter = None if h["path"] is None else read_adapter(h["name"], h["path"], r.cfg, r.lora.rank if r.lora else 0)
-            r.load_adapter(h["slot"], adapter)
+            return load_into_slot(self.runner, h["slot"], h["name"], h["path"])
         except (AdapterError, ValueError, OSError) as exc:
             raise CommandError(P.E_FAILED, str(exc)) from None
-        log.info("LoRA slot %d: %s", h["slot"], f"{h['name']} ({h['path']})" if adapter else "empty")
-        return {"bytes": adapter.nbytes if adapter else 0}
 
     def handle(self, peer: bytes, parts: list[bytes]) -> list[bytes]:
         """Never raises: malformed input or a failed command becomes an error reply."""

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from common.config_checks import ConfigError, check_spec_method, check_together
-from common.config_keys import KEYS, SECTIONS, notices
+from common.config_checks import ConfigError, check_all, check_spec_method
+from common.config_files import ge_graphs, read_yaml, section
+from common.config_keys import KEYS, SECTIONS
+from common.config_text import notices
 from common.config_values import WHAT
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
@@ -45,14 +45,13 @@ class ServingConfig:
     vocab_size: int | None = None  # when set, the model's must equal it (checked at attach)
     max_generate_length: int = 2048  # the original's cap on prompt + output tokens
     end_token: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
-    # Token buckets of a packed step are the union of these two lists (capped by the step's most tokens).
+    # a packed step's token buckets: the union of these two (capped by the step's most tokens)
     prefill_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 256])  # seq_length
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode_batch_size; last = most running
     max_prefill_rows: int = 4  # prefill_batch_size
     model_dtype: str = "float32"  # "bfloat16"/"float16": 16-bit projection weights; "int8": W8A8 (agent/model/linear.py)
     kv_cache_dtype: str = "auto"  # ours (vLLM's): auto (common.memory.kv_dtype_for), float32, bfloat16, float16
-    # ours: at most this many inputs per int8 scale (>= 4); 0 = 8 per row; -1 = per channel; auto: int8_group
-    quant_group_size: int | str = "auto"
+    quant_group_size: int | str = "auto"  # ours: inputs per int8 scale (>= 4); 0 = 8 per row; -1 = per channel; auto: int8_group
     # serving_config
     agent_ports: list[int] = field(default_factory=lambda: [61166])
     tensor_parallel_size: int = 1  # ours: consecutive agent_ports form groups of this many ranks of one model
@@ -91,9 +90,7 @@ class ServingConfig:
     curve_keys: str | None = None  # CURVE key folder for tcp agents (shm/curve.py)
     device_memory: int = 0  # ours: bytes of each device (Ascend, GPU) for the memory plan; 0 = its runtime's figure
     kv_cache_memory: int = 0  # ours: KV pool bytes per agent with num_blocks auto (vLLM's KV space); 0 = what is left
-    # ours: the memory plan's runtime per agent: MindSpore imported, its graphs built and run, oneDNN's
-    # primitives (measured: docs/perf-notes.md)
-    runtime_memory: int = 720 << 20
+    runtime_memory: int = 720 << 20  # ours: the memory plan's runtime per agent (MindSpore, graphs, oneDNN: docs/perf-notes.md)
     # pa_config
     num_blocks: int = 1024  # 0 = auto (common/memory.py sizes it before the agents load)
     block_size: int = 16
@@ -112,30 +109,25 @@ class ServingConfig:
     spec_lookup_min: int = 2
     spec_lookup_max: int = 4
     spec_max_batch: int = 16
-    spec_draft_model: str | None = None  # `draft`'s model (agent/spec/draft_load.py)
+    spec_draft_model: str | None = None  # `draft`'s model (agent/speculative/draft_load.py)
     source: Path | None = None
     notices: list[str] = field(default_factory=list)  # ignored keys and values: warnings at start (config_keys)
 
     @property
-    def lora_enabled(self) -> bool:
-        """Whether the agents hold LoRA slots (max_loras of rank max_lora_rank)."""
+    def lora_enabled(self) -> bool:  # the agents hold LoRA slots (max_loras of rank max_lora_rank)
         return self.enable_lora or bool(self.lora_modules)
 
-    def role(self, index: int) -> str:
-        """What agent `index` runs: prompts and decodes (`both`), or only one of them."""
+    def role(self, index: int) -> str:  # what agent `index` runs: prompts and decodes (`both`), or one of them
         return self.agent_roles[index] if self.agent_roles else "both"
 
     @property
-    def disaggregated(self) -> bool:
-        """Some agent only prefills or only decodes: finished prompts' KV moves between agents."""
+    def disaggregated(self) -> bool:  # some agent only prefills or only decodes: finished prompts' KV moves between agents
         return any(r != "both" for r in self.agent_roles)
 
-    def agent_host(self, index: int) -> str:
-        """The address servers reach agent `index` at."""
+    def agent_host(self, index: int) -> str:  # the address servers reach agent `index` at
         return self.agent_hosts[index] if self.agent_hosts else self.agent_ip
 
-    def bind_host(self, index: int) -> str:
-        """The address agent `index` listens on."""
+    def bind_host(self, index: int) -> str:  # the address agent `index` listens on
         return self.agent_bind or self.agent_host(index)
 
     @property
@@ -145,17 +137,15 @@ class ServingConfig:
         return [list(range(i, i + n)) for i in range(0, len(self.agent_ports), n)]
 
     @property
-    def token_budget(self) -> int:
+    def token_budget(self) -> int:  # tokens per step: max_num_batched_tokens, else the last seq_length
         return self.max_num_batched_tokens or self.prefill_buckets[-1]
 
     @property
-    def max_running(self) -> int:
-        """Sequences in flight per agent: the rows of a step."""
+    def max_running(self) -> int:  # sequences in flight per agent: the rows of a step
         return self.decode_buckets[-1]
 
     @property
-    def prefill_budget(self) -> int:
-        """Token budget of a step while no sequence is decoding."""
+    def prefill_budget(self) -> int:  # token budget of a step while no sequence is decoding
         return max(self.prefill_only_tokens, self.token_budget)
 
     @property
@@ -174,14 +164,6 @@ class ServingConfig:
         top = self.mixed_step_tokens
         return sorted({b for b in self.decode_buckets + self.prefill_buckets if b < top} | {top, self.prefill_budget})
 
-    def bucket_notice(self) -> str:
-        """What seq_length and decode_batch_size mean here, with the graph set they give."""
-        return (f"model_config.seq_length {self.prefill_buckets} and decode_batch_size {self.decode_buckets} are "
-                f"step sizes here (token-packed steps): the graphs are {self.token_buckets} tokens (small steps "
-                f"always get small ones); a step holds at most {self.mixed_step_tokens} tokens "
-                f"(serving_config.max_num_batched_tokens, else the last seq_length), at most {self.max_running} "
-                "sequences run per agent (the last decode_batch_size); longer prompts are chunked")
-
     @property
     def max_rows(self) -> int:
         return self.decode_buckets[-1] + self.max_prefill_rows
@@ -198,19 +180,21 @@ class ServingConfig:
         return {"block_size": self.block_size, "num_blocks": self.num_blocks, "max_model_len": self.max_model_len}
 
     @property
-    def max_blocks_per_seq(self) -> int:
+    def max_blocks_per_seq(self) -> int:  # a sequence's block table at decode_seq_length
         return -(-self.max_model_len // self.block_size)
 
     def validate(self) -> "ServingConfig":
-        for k in KEYS:
-            if k.check is None:
-                continue
-            value = getattr(self, k.attr)
-            items = value if isinstance(value, list) else [value]
-            if not items or not all(k.check(v) for v in items):
-                raise ConfigError(f"{k.name} = {value!r}: must be {k.allowed}")
-        check_together(self)
-        return self
+        """Every key's range, then the checks across keys (common/config_checks.py)."""
+        return check_all(self)
+
+
+def bucket_notice(c: ServingConfig) -> str:
+    """What seq_length and decode_batch_size mean here, with the graph set they give."""
+    return (f"model_config.seq_length {c.prefill_buckets} and decode_batch_size {c.decode_buckets} are "
+            f"step sizes here (token-packed steps): the graphs are {c.token_buckets} tokens (small steps "
+            f"always get small ones); a step holds at most {c.mixed_step_tokens} tokens "
+            f"(serving_config.max_num_batched_tokens, else the last seq_length), at most {c.max_running} "
+            "sequences run per agent (the last decode_batch_size); longer prompts are chunked")
 
 
 def bucket_ladder(sizes: list[int]) -> list[int]:
@@ -246,57 +230,11 @@ def speculative_overrides(text: str) -> dict[str, Any]:
         raise ConfigError(f"--speculative-config {text}: a value is not of its key's type") from None
 
 
-def _section(doc: dict[str, Any], name: str) -> dict[str, Any]:
-    body = doc.get(name) or {}
-    if not isinstance(body, dict):
-        raise ConfigError(f"{name}: must be a mapping of keys, not {type(body).__name__}")
-    return body
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The YAML document at `path`; a missing file or a syntax error is a ConfigError naming it."""
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
-    if doc is not None and not isinstance(doc, dict):
-        raise ConfigError(f"config file {path}: expected sections (model_config, serving_config, ...), "
-                          f"not {type(doc).__name__}")
-    return doc or {}
-
-
-def _ge_graphs(section: Any, c: ServingConfig, sections: dict[str, dict[str, Any]]) -> None:
-    """The original GE backend's `model_path` section: MindIR graphs per rank (`prefill_model`,
-    `decode_model`, one per agent port: the ranks of one model). They are Ascend-compiled graphs,
-    not weights: the same model is served from its weights (model_cfg_path or model_path) as that
-    many tensor-parallel ranks; without weights, or with another rank count, the config is refused."""
-    graphs = section.get("prefill_model") if isinstance(section, dict) else None
-    ranks = len(graphs) if isinstance(graphs, list) else 1
-    mc = sections["model_config"]
-    if not (mc.get("model_cfg_path") or mc.get("model_path")):
-        raise ConfigError("model_path: the GE backend's MindIR graphs cannot be served here (they are Ascend-compiled "
-                          "graphs, not weights); set model_config.model_cfg_path (the MindFormers yaml naming the "
-                          "checkpoint) or model_config.model_path to serve the same model")
-    if len(c.agent_ports) % ranks:
-        raise ConfigError(f"model_path: {ranks} graphs per kind (ranks) for {len(c.agent_ports)} agent_ports: "
-                          "each port must be one rank of a model")
-    if "tensor_parallel_size" not in sections["serving_config"]:
-        c.tensor_parallel_size = ranks
-    c.notices.append(f"model_path: the GE graphs are not used; the model's weights are served as "
-                     f"{c.tensor_parallel_size} tensor-parallel rank(s) per replica")
-
-
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
     """The serving config of a YAML file (None: the defaults), with `overrides` by attribute.
     Raises ConfigError with one line naming the key, its value and what is allowed."""
     doc = read_yaml(path) if path else {}
-    sections = {name: _section(doc, name) for name in SECTIONS}
+    sections = {name: section(doc, name) for name in SECTIONS}
     c = ServingConfig()
     c.source = Path(path) if path else None
     c.notices = notices(doc)
@@ -311,7 +249,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     if c.kv_cache_memory and "num_blocks" not in sections["pa_config"]:  # it sizes the pool: num_blocks auto
         c.num_blocks = 0
     if "model_path" in doc:
-        _ge_graphs(doc["model_path"], c, sections)
+        ge_graphs(doc["model_path"], c, sections)
     c.device = os.environ.get("LLM_SERVING_DEVICE") or c.device
     for key, value in overrides.items():
         if value is not None:
@@ -319,5 +257,5 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     check_spec_method(c, sections["speculative_config"], overrides)
     c.validate()
     if c.token_buckets != c.listed_buckets:  # the ladder added sizes between the YAML's
-        c.notices.append(c.bucket_notice())
+        c.notices.append(bucket_notice(c))
     return c

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from common.config_keys import KEYS, SPEC_METHODS
+from common.config_keys import KEYS
+from common.speculative import METHODS, method_of
 from common.config_values import ROLES, adapter_name_problem
 from common.cpu import isa_cap
 
@@ -15,6 +16,19 @@ if TYPE_CHECKING:
 
 class ConfigError(ValueError):
     """A config that cannot be served: one line naming the key, its value and what is allowed."""
+
+
+def check_all(c: ServingConfig) -> ServingConfig:
+    """Every key's range (its table row's check, on each item of a list), then `check_together`."""
+    for k in KEYS:
+        if k.check is None:
+            continue
+        value = getattr(c, k.attr)
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(k.check(v) for v in items):
+            raise ConfigError(f"{k.name} = {value!r}: must be {k.allowed}")
+    check_together(c)
+    return c
 
 
 def check_together(c: ServingConfig) -> None:
@@ -39,9 +53,9 @@ def check_together(c: ServingConfig) -> None:
     if c.tensor_parallel_size > 1 and c.model_dtype == "int8":
         raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype int8: "
                           "tensor parallelism runs float32, bfloat16 or float16 weights")
-    if c.spec_method is not None and c.spec_method not in SPEC_METHODS:
+    if c.spec_method is not None and c.spec_method not in METHODS:
         raise ConfigError(f"speculative_config.method = {c.spec_method!r}: this server drafts with "
-                          f"{', '.join(SPEC_METHODS)} (on the agent); {c.spec_method} is not served")
+                          f"{', '.join(METHODS)} (on the agent); {c.spec_method} is not served")
     _check_draft(c)
     if c.spec_lookup_min > c.spec_lookup_max:
         raise ConfigError(f"speculative_config.prompt_lookup_min = {c.spec_lookup_min}: must be <= prompt_lookup_max "
@@ -82,18 +96,21 @@ def _check_roles(c: ServingConfig) -> None:
 
 
 def _check_draft(c: ServingConfig) -> None:
-    """The draft-model methods: a model to draft with, a float target, single ranks."""
-    if c.spec_method == "draft" and not c.spec_draft_model:
-        raise ConfigError("speculative_config.method = draft: needs draft_model_path (a smaller model with the "
+    """The draft-model methods (common/speculative.py): a model to draft with, a float target, single ranks."""
+    m = method_of(c)
+    reads_path = m is not None and m.draft_model and not m.own_weights
+    if reads_path and not c.spec_draft_model:
+        raise ConfigError(f"speculative_config.method = {m.name}: needs draft_model_path (a smaller model with the "
                           "target's tokenizer)")
-    if c.spec_draft_model and c.spec_method != "draft":
-        raise ConfigError(f"speculative_config.draft_model_path is set: only method draft reads it (method is "
-                          f"{c.spec_method})")
-    if c.spec_method == "self_int8" and c.model_dtype == "int8":
-        raise ConfigError("speculative_config.method = self_int8 with model_dtype int8: the draft would be the "
-                          "target itself; use a float model_dtype, or ngram")
-    if c.spec_method in ("self_int8", "draft") and c.tensor_parallel_size > 1:
-        raise ConfigError(f"speculative_config.method = {c.spec_method} with tensor_parallel_size "
+    if c.spec_draft_model and not reads_path:
+        readers = [r.name for r in METHODS.values() if r.draft_model and not r.own_weights]
+        raise ConfigError(f"speculative_config.draft_model_path is set: only method {', '.join(readers)} reads it "
+                          f"(method is {c.spec_method})")
+    if m is not None and m.own_weights and c.model_dtype == m.draft_dtype(c):
+        raise ConfigError(f"speculative_config.method = {m.name} with model_dtype {c.model_dtype}: the draft would be "
+                          "the target itself; use a float model_dtype, or ngram")
+    if m is not None and not m.tensor_parallel and c.tensor_parallel_size > 1:
+        raise ConfigError(f"speculative_config.method = {m.name} with tensor_parallel_size "
                           f"{c.tensor_parallel_size}: draft models run on single-rank agents (ngram drafts on ranks)")
 
 
@@ -103,4 +120,4 @@ def check_spec_method(c: ServingConfig, section: dict[str, Any], overrides: dict
     given = {k.key for k in rows if section.get(k.key) is not None or overrides.get(k.attr) is not None}
     if c.spec_method is None and given:
         raise ConfigError(f"speculative_config sets {sorted(given)} without method: name one of "
-                          f"{', '.join(SPEC_METHODS)} (or leave the section out: no speculative decoding)")
+                          f"{', '.join(METHODS)} (or leave the section out: no speculative decoding)")

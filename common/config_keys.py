@@ -1,24 +1,20 @@
 """The serving YAML as one declarative table: every key of the original llm-serving's four sections
 and ours, with the attribute it sets, how its value is read, its range, what the original meant and
 what it does here. Loading (common/config.py), the start-up notices and docs/config.md's tables
-(`markdown`, checked by a test) are derived from it; defaults are ServingConfig's.
-
-`notices(doc)` returns one line per key we ignore, per value we cannot honour on this server, and per
-unknown key: the server and `launch_agents` print them as warnings at start.
+(common/config_text.py) are derived from it; defaults are ServingConfig's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.config_values import (BFLOAT16, FLOAT16, FLOAT32, INT8, KV_CACHE_DTYPES, ROLES, as_adapters, as_blocks, as_bool, as_cores,
+from common.config_values import (KV_CACHE_DTYPES, ROLES, as_adapters, as_blocks, as_bool, as_cores,
                                   as_float, as_group, as_hosts, as_names, as_int, as_most, as_ports, as_roles, as_sizes, lower, model_dtype,
                                   parse_bytes, port_ok)
 
 
 SECTIONS = ("model_config", "serving_config", "pa_config", "tokenizer", "speculative_config")
 ROUTINGS = ("prefix", "least_load")  # server/engine/routing.py's ROUTERS
-SPEC_METHODS = ("ngram", "self_int8", "draft")  # served; vLLM's others are refused by name (common.config_checks.check_together)
 # Whole sections accepted and not needed here, with why.
 IGNORED_SECTIONS = {name: "the agent builds its model inputs and warm-up shapes itself"
                     for name in ("basic_inputs", "extra_inputs", "warmup_inputs")}
@@ -278,56 +274,3 @@ KEYS: list[Key] = [
         here="no drafts in a step with more running sequences than this (0: no limit): a large batch is bound by "
              "compute, where a rejected draft costs a token's work"),
 ]
-
-
-
-def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
-    out = []
-    if str(mc.get("batching_strategy", "continuous")).lower() != "continuous":
-        out.append(f"model_config.batching_strategy {mc['batching_strategy']!r}: only continuous batching is served")
-    if mc.get("page_attention", True) in (False, "False", "false"):
-        out.append("model_config.page_attention False: the KV cache is always paged")
-    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32 + INT8 + BFLOAT16 + FLOAT16:
-        out.append(f"model_config.model_dtype {mc['model_dtype']!r}: the model runs in float32 on this server "
-                   "(bfloat16, float16 and int8 are the other choices)")
-    if mc.get("backend") not in (None, "", "mindspore"):
-        out.append(f"model_config.backend {mc['backend']!r}: this server runs its own MindSpore graph-mode Llama")
-    decode_wait = sc.get("decode_batch_waiting_time", mc.get("decode_batch_waiting_time", 0)) or 0
-    if float(decode_wait) > 0:
-        out.append(f"decode_batch_waiting_time {decode_wait}: decode steps never wait (a new request joins the "
-                   "next step anyway); ignored")
-    return out
-
-
-def notices(doc: dict[str, Any]) -> list[str]:
-    rows = {(k.section, k.key): k for k in KEYS}
-    out = []
-    for section, body in doc.items():
-        if section in IGNORED_SECTIONS:
-            out.append(f"{section}: ignored ({IGNORED_SECTIONS[section]})")
-            continue
-        if section == "model_path":  # the GE backend's graphs: config.load_config says what it does
-            continue
-        if section not in SECTIONS:
-            out.append(f"unknown section {section!r}: ignored")
-            continue
-        for key in (body or {}):
-            row = rows.get((section, key))
-            if row is None:
-                out.append(f"unknown key {section}.{key}: ignored")
-            elif row.ignored:
-                out.append(f"{section}.{key}: ignored ({row.ignored})")
-    return out + _value_notices(doc.get("model_config") or {}, doc.get("serving_config") or {})
-
-
-def markdown(section: str, defaults: Any) -> str:
-    """docs/config.md's table of a section: key, the original's meaning, what it does here, default."""
-    lines = ["| key | original meaning | here | default |", "|---|---|---|---|"]
-    for k in KEYS:
-        if k.section != section:
-            continue
-        here = f"ignored ({k.ignored})" if k.ignored else k.here
-        default = getattr(defaults, k.attr) if k.attr else None
-        shown = "" if default is None or k.ignored else f"`{str(default).lower() if isinstance(default, bool) else default}`"
-        lines.append(f"| `{k.key}` | {k.original} | {here} | {shown} |")
-    return "\n".join(lines)

@@ -12,6 +12,7 @@ from typing import Any
 
 from common.config import ConfigError, ServingConfig
 from common.model_files import ModelFiles, mindformers_yaml, resolve_model, unsupported_family
+from common.speculative import draft_method
 
 GiB = 1 << 30
 AUTO_KV_SHARE = 0.9  # of the memory left after weights, activations and runtime, with num_blocks: auto
@@ -240,15 +241,10 @@ def auto_blocks(cfg: ServingConfig, shape: ModelShape, agents: int, fixed: int, 
     return blocks
 
 
-def draft_dtype(cfg: ServingConfig) -> str:
-    """speculative_config's draft model runs in int8 (self_int8) or in the target's dtype (draft)."""
-    return "int8" if cfg.spec_method == "self_int8" else cfg.model_dtype
-
-
 def draft_files(cfg: ServingConfig, files: ModelFiles) -> tuple[ModelFiles, ModelShape]:
-    """The draft model's files and shape (`files`: the target's, self_int8's draft); a draft_model_path
-    that is missing or not a model served here is a ConfigError naming the key."""
-    if cfg.spec_method == "self_int8":
+    """The draft model's files and shape (`files`: the target's, for a method drafting with the served
+    weights); a draft_model_path that is missing or not a model served here is a ConfigError naming the key."""
+    if draft_method(cfg).own_weights:
         return files, model_shape(files)
     try:
         draft = resolve_model(cfg.spec_draft_model, None)
@@ -259,11 +255,12 @@ def draft_files(cfg: ServingConfig, files: ModelFiles) -> tuple[ModelFiles, Mode
 
 def draft_costs(cfg: ServingConfig, files: ModelFiles) -> tuple[int, int]:
     """The draft model's weight bytes and KV bytes per target block (0, 0 without one): its cache has
-    the target's num_blocks (agent/spec/draft_model.py)."""
-    if cfg.spec_method not in ("self_int8", "draft"):
+    the target's num_blocks (agent/speculative/draft_model.py)."""
+    m = draft_method(cfg)
+    if m is None:
         return 0, 0
     shape = draft_files(cfg, files)[1]
-    dtype = draft_dtype(cfg)
+    dtype = m.draft_dtype(cfg)
     kv = kv_block_bytes(shape, cfg.block_size, kv_dtype_for(cfg.kv_cache_dtype, dtype, cfg.device == "CPU"))
     return weight_bytes(shape, dtype), kv
 

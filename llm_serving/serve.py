@@ -13,6 +13,7 @@ from typing import Any
 
 from common.config import ConfigError, ServingConfig, load_config, speculative_overrides
 from common.config_keys import ROUTINGS
+from common.speculative import method_of
 from common.config_values import as_adapters, as_roles
 from common.config_values import parse_bytes
 from common.memory import plan as memory_plan
@@ -192,10 +193,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def speculative_line(cfg: ServingConfig) -> str:
     """The start log's account of speculative_config: the method and what it drafts."""
-    what = {"ngram": f"prompt lookup of {cfg.spec_lookup_min}-{cfg.spec_lookup_max} tokens",
-            "self_int8": "the served weights in int8", "draft": f"the model at {cfg.spec_draft_model}"}
+    m = method_of(cfg)
     limit = f", off above {cfg.spec_max_batch} running" if cfg.spec_max_batch else ""
-    return f"method {cfg.spec_method} ({what.get(cfg.spec_method, '')}), k = {cfg.spec_tokens} tokens a step{limit}"
+    return f"method {cfg.spec_method} ({m.says(cfg) if m else ''}), k = {cfg.spec_tokens} tokens a step{limit}"
 
 
 def serve(args: argparse.Namespace, cfg: ServingConfig, http: socket.socket, engine: Engine, tok: TextTokenizer, procs: list,

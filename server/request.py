@@ -5,10 +5,13 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from server.detok import IncrementalDetokenizer
 from server.sampling_params import SamplingParams
-from server.sequence import Sequence
+
+if TYPE_CHECKING:  # a type only: the scheduler's room sits above the shared nouns
+    from server.sched.sequence import Sequence
 
 
 class Status(enum.Enum):

@@ -20,7 +20,7 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class LoraRef:
-    """A request's LoRA adapter (server/engine/adapters.py): its name, its agents' slot, and its
+    """A request's LoRA adapter (server/engine/lora.py): its name, its agents' slot, and its
     load's key (where its prefix-cache chains start)."""
     name: str
     slot: int

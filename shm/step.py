@@ -44,7 +44,7 @@ class StepInputs:
     # the step's scored tokens write ScoreOutputs in token order).
     targets: np.ndarray = col("int32", "T")
     # Speculative decoding: a fed row may carry this many draft tokens after its fed one (its query is
-    # 1 + spec_len tokens; the agent proposes them, agent/spec/): all are verified in this step.
+    # 1 + spec_len tokens; the agent proposes them, agent/speculative/): all are verified in this step.
     spec_len: np.ndarray = col("int32", "R")
     # LoRA: the row's adapter, 0 (the base model) or its slot + 1 on the agent (agent/model/lora.py)
     adapter: np.ndarray = col("int32", "R")

@@ -177,5 +177,27 @@ def save_mindformers(tmp: Path, weights: dict, extra: dict | None = None) -> tup
 
 def results(tokens: list[int | None]) -> list:
     """Scheduler.update's per-row results for rows that each sampled one token (None: nothing kept)."""
-    from server.step_plan import RowResult
+    from server.sched.step_plan import RowResult
     return [RowResult([] if t is None else [t]) for t in tokens]
+
+
+class Launcher:
+    """`launch_agents --config X` as a real child process, with its own runtime folder."""
+
+    def __init__(self, config: Path, env: dict[str, str]):
+        self.log = config.with_suffix(".launch.log")
+        self.proc = subprocess.Popen([sys.executable, "-m", "llm_serving.launch", "--config", str(config)], cwd=ROOT,
+                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 300
+        while "all agents started" not in self.log.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    def agent_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+
+def run_python(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,5 +1,5 @@
 """What the prefix cache's keys cost the server: microseconds per 1,000 prompt tokens to key every
-full block (SHA-256 chained from the salt, server/block_manager.py) and to look a prompt up
+full block (SHA-256 chained from the salt, server/sched/block_manager.py) and to look a prompt up
 (keys, then each hit checked against its tokens and parent), beside the Python `hash()` chain the
 keys replaced. One process, best of several rounds.
 
@@ -11,7 +11,7 @@ import argparse
 import time
 
 
-from server.block_manager import BlockManager
+from server.sched.block_manager import BlockManager
 
 
 def best_us(fn, rounds: int = 7, calls: int = 200) -> float:

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from common.config import ServingConfig
-from common.config_keys import SECTIONS, markdown
+from common.config_keys import SECTIONS
+from common.config_text import markdown
 
 DOC = Path(__file__).resolve().parent.parent / "docs/config.md"
 MARK = re.compile(r"(<!-- table: (\w+) [^\n]*-->\n).*?(<!-- end -->)", re.S)

@@ -2,17 +2,20 @@
 serving_config.lora_modules read and checked, each in its slot of the model (agent/model/lora.py)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agent.lora.gguf_lora import read_gguf_adapter
-from agent.lora.peft import Adapter, AdapterError, read_peft_adapter
+from agent.lora.peft import Adapter, read_peft_adapter
 from agent.model_config import ModelConfig
 from common.config import ServingConfig
+from common.lora import AdapterError
 
-__all__ = ["AdapterError", "lora_slots", "read_adapter"]
+log = logging.getLogger("llm_serving.agent")
+__all__ = ["load_into_slot", "lora_slots", "read_adapter"]
 
 
 def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> Adapter:
@@ -37,3 +40,13 @@ def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:
         return None
     adapters = [read_adapter(name, path, model_cfg, cfg.max_lora_rank) for name, path in cfg.lora_modules.items()]
     return LoraSlots(adapters[:cfg.max_loras], cfg.max_loras, cfg.max_lora_rank)
+
+
+def load_into_slot(runner: Any, slot: int, name: str, path: str | None) -> dict[str, int]:
+    """The agent's `l` command: adapter `name` from `path` (None: nothing) into LoRA slot `slot` of
+    `runner` (agent.runner.ModelRunner), from its next step on; the reply's body."""
+    lora = runner.lora
+    adapter = None if path is None else read_adapter(name, path, runner.cfg, lora.rank if lora else 0)
+    runner.load_adapter(slot, adapter)
+    log.info("LoRA slot %d: %s", slot, f"{name} ({path})" if adapter else "empty")
+    return {"bytes": adapter.nbytes if adapter else 0}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.lora.peft import Adapter, AdapterError, module_shape
+from agent.lora.peft import Adapter, module_shape
+from common.lora import AdapterError
 from agent.model_config import ModelConfig
 from agent.weights.gguf import read_tensor, unpermute_rows
 from common.gguf_file import GgufFile

@@ -14,6 +14,7 @@ import numpy as np
 
 from agent.model_config import ModelConfig
 from agent.weights.load import read_safetensors
+from common.lora import AdapterError
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -25,10 +26,6 @@ _INERT = {"peft_type", "r", "lora_alpha", "use_rslora", "bias", "target_modules"
           "base_model_name_or_path", "revision", "auto_mapping", "peft_version", "loftq_config", "eva_config",
           "corda_config", "lora_ga_config", "megatron_config", "megatron_core", "qalora_group_size",
           "ensure_weight_tying"}
-
-class AdapterError(ValueError):
-    """An adapter this server cannot serve exactly: the message names the field or tensor."""
-
 
 @dataclass
 class Adapter:

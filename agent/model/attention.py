@@ -37,6 +37,8 @@ class NativeAttention(nn.Cell):
     (agent/kernels/paged_attention.cpp), in the op of the projection after them: no gathered K/V
     copy, mask or permutes."""
 
+    head_major = False  # the cache's layout (cache_shape), as a KV hand-over reads its blocks
+
     def __init__(self, cfg: ModelConfig, block_size: int, k: dict[str, Any]):
         super().__init__()
         self.block_size = block_size
@@ -62,6 +64,7 @@ class NativeAttention(nn.Cell):
 class PlainAttention(nn.Cell):
     """`kv_dtype` float16: the cache holds float16 keys and values, scores and the weighted sum run
     in float16 MatMuls, the softmax in float32."""
+    head_major = True  # the cache's layout (cache_shape), as a KV hand-over reads its blocks
 
     def __init__(self, cfg: ModelConfig, block_size: int, kv_dtype: str = "float32"):
         super().__init__()

@@ -11,10 +11,10 @@ from mindspore import nn
 
 from agent.model.attention import NativeAttention, PlainAttention
 from agent.kernels import custom_ops
-from agent.model.params import DTYPES, KV_DTYPES
+from agent.model.params import DTYPES, KV_DTYPES, WEIGHT_BLOCK
 from agent.model.collectives import Alone, CommCollectives, ShmCollectives
 from agent.model.norms import NativeNorms, PlainNorms
-from agent.model.linear import BF16_BLOCK, LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights, PlainF16Linear, PlainLinear, Projection
+from agent.model.linear import LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights, PlainF16Linear, PlainLinear, Projection
 from agent.model.fusion import fp32_projections, int8_projections, lm_head
 from agent.model_config import ModelConfig
 from common.config import QUANT_GROUP_SIZE
@@ -69,7 +69,7 @@ class Backend:
         if self.lib is None or self.tp_size > 1:
             return False
         widths = self.widths(cfg)
-        return self.dtype == "int8" or all(widths[n] % BF16_BLOCK == 0 for n in LAYER_KINDS)
+        return self.dtype == "int8" or all(widths[n] % WEIGHT_BLOCK == 0 for n in LAYER_KINDS)
 
     def stack_op(self, cfg: ModelConfig, k: dict[str, Any]) -> Any:
         """The op that runs every decoder layer, or None where layers keep four ops (`one_op`)."""

@@ -36,6 +36,7 @@ class DecoderModel(nn.Cell):
         super().__init__()
         backend = backend or Backend()
         self.cfg, self.block_size, self.num_slots = cfg, block_size, num_slots
+        self.kv_dtype = backend.kv_dtype  # the cache as stored (common.memory.KV_DTYPES)
         k = backend.kernels(cfg)
         self.norms = backend.norms(cfg, k)
         self.attn = backend.attention(cfg, block_size, k)

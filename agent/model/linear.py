@@ -11,10 +11,9 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from agent.kernels import pack_int8_channel
-from agent.model.params import param, zeros_param
-from agent.model.quant import Int8Rows, bf16_bits
+from agent.model.params import WEIGHT_BLOCK, param, zeros_param
+from agent.model.quant import bf16_bits
 
-BF16_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp)
 LAYER_KINDS = ("qkv", "o", "gate_up", "down")
 
 
@@ -157,14 +156,14 @@ class F32Linear(NativeLinear):
     @classmethod
     def stored(cls, mat: np.ndarray) -> tuple[np.ndarray, ...]:
         n, k = mat.shape
-        pad = -n % BF16_BLOCK
+        pad = -n % WEIGHT_BLOCK
         blocks = cls.convert(np.pad(mat, ((0, pad), (0, 0))) if pad else mat)
-        return (np.ascontiguousarray(blocks.reshape(-1, BF16_BLOCK, k).transpose(0, 2, 1)),)
+        return (np.ascontiguousarray(blocks.reshape(-1, WEIGHT_BLOCK, k).transpose(0, 2, 1)),)
 
     def __init__(self, norms: nn.Cell, weights: list[Any], k: dict[str, Any], width: int):
         super().__init__(norms, weights, k, width)
         self.width = width
-        self.padded = width % BF16_BLOCK != 0
+        self.padded = width % WEIGHT_BLOCK != 0
 
     def out(self, y: Tensor) -> Tensor:
         return y[:, :self.width] if self.padded else y
@@ -173,7 +172,7 @@ class F32Linear(NativeLinear):
         view = self.layer_view(i)  # [N/64, K, 64]: output row c is column c % 64 of block c // 64
         for r, row in enumerate(rows):
             c = start + r
-            view[c // BF16_BLOCK, :, c % BF16_BLOCK] = self.convert(row)
+            view[c // WEIGHT_BLOCK, :, c % WEIGHT_BLOCK] = self.convert(row)
 
     def weights(self, i: int) -> tuple:
         return (self.w0[i],)

@@ -10,18 +10,17 @@ shapes are too: no graph is built after ready."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mindspore import Tensor, nn, ops
 
 from agent.model.fusion import row_scale
-from agent.model.params import param
+from agent.model.params import WEIGHT_BLOCK, param
 from agent.model_config import ModelConfig
 
 KIND_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
                 "down": ("down_proj",)}
-COLUMN_BLOCK = 64  # the extra rows come in whole weight blocks (agent.model.linear.BF16_BLOCK)
 
 
 @dataclass
@@ -33,11 +32,35 @@ class LoraSlots:
     slots: int
     rank: int
     gains: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
+    shard: Callable[[Any], Any] = lambda adapter: adapter  # an adapter as this tensor-parallel rank runs it
 
     def __post_init__(self) -> None:
         if len(self.adapters) > self.slots:
             raise ValueError(f"{len(self.adapters)} LoRA adapters for {self.slots} slots")
         self.adapters = list(self.adapters) + [None] * (self.slots - len(self.adapters))
+
+    def for_rank(self, shard: Callable[[Any], Any]) -> None:
+        """Tensor parallel: every adapter, now and written later, split as its base projections are."""
+        self.shard = shard
+        self.adapters = [shard(a) for a in self.adapters]
+
+    def mask(self, adapters: np.ndarray | None, n: int) -> np.ndarray:
+        """A graph call's `n` tokens' slots, one-hot [n, slots] (`adapters`: each token's, 0 none and k
+        slot k - 1; None or padding: none)."""
+        mask = np.zeros((n, self.slots), np.float32)
+        if adapters is not None:
+            on = np.nonzero(adapters > 0)[0]
+            mask[on, adapters[on] - 1] = 1.0
+        return mask
+
+    def load(self, model: Any, slot: int, adapter: Any) -> None:
+        """`adapter` (agent.lora.peft.Adapter; None: empty the slot) into slot `slot` of `model`, between
+        steps: rows with `adapter` slot + 1 run with it from the next step on."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"LoRA slot {slot}: this model has {self.slots} (serving_config.max_loras)")
+        if adapter is not None and adapter.rank > self.rank:
+            raise ValueError(f"LoRA adapter {adapter.name}: rank {adapter.rank} is over max_lora_rank {self.rank}")
+        write_slot(model, self, slot, self.shard(adapter))
 
     def kind_rank(self, kind: str) -> int:
         """Columns one slot has in a projection kind: `rank` per module it fuses."""
@@ -47,7 +70,7 @@ class LoraSlots:
         """Extra output rows of a projection kind: every slot's A rows, padded to whole blocks (float
         weights; int8's float A rows beside the weight are not)."""
         rows = self.slots * self.kind_rank(kind)
-        return -(-rows // COLUMN_BLOCK) * COLUMN_BLOCK if padded else rows
+        return -(-rows // WEIGHT_BLOCK) * WEIGHT_BLOCK if padded else rows
 
     def a_rows(self, layer: int, kind: str, n_in: int) -> np.ndarray:
         """Layer `layer`'s extra rows [extra, in] of `kind`: slot s, module j at s * kind_rank + j * rank."""

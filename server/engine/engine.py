@@ -12,16 +12,17 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 from common.config import ServingConfig
 from common.tokenizer import TextTokenizer
-from server.detok import IncrementalDetokenizer
-from server.engine.adapters import AdapterSlots, Load
+from server.engine.lora import AdapterSlots
+from server.engine.admission import Admission
 from server.engine.handover import Handover, HandoverError
 from server.engine.lane import AgentLane, lanes_stats
 from server.engine.drain import Drains
+from server.engine.hooks import BetweenSteps
+from server.engine.lora_turns import LoraTurns
 from server.engine.messages import Abort, Add, AgentBack, Drain, Message, Wake
 from server.engine.metrics import Metrics
 from server.engine.output import OutputProcessor
@@ -29,7 +30,6 @@ from server.engine.requests import QueueFull, Requests
 from server.engine.stepper import Stepper
 from server.engine.supervisor import Restart, Supervisor
 from server.request import Request
-from server.sequence import Sequence
 from shm.messages import AgentInfo
 from shm.link import AgentLink
 from shm.protocol import KV_LAYOUT_KEYS
@@ -62,7 +62,11 @@ class Engine:
         self.fatal: str | None = None
         self.supervisor = Supervisor(cfg, self.lanes, self.requests, restart, self.inbox, self._stop, self.metrics)
         self.stepper = Stepper(cfg, self.requests, self.out, self.metrics, self.supervisor, self.handover)
-        self.drains = Drains(cfg, self.lanes, self.supervisor, why_not)
+        self.drains = Drains(cfg, self.lanes, self.supervisor, why_not, self.inbox)
+        self.admission = Admission(tokenizer, self.requests, self.supervisor, self.metrics)
+        self.lora = self.admission.lora = LoraTurns(self.adapters, self.lanes, self.requests, self.admission.assign, self.inbox)
+        # features that act between steps (server/engine/hooks.py); LoRA's only where it is on
+        self.hooks: list[BetweenSteps] = [self.drains, *([self.lora] if cfg.lora_enabled else [])]
 
     # ------------------------------------------------------------ API (any thread)
     def start(self) -> None:
@@ -75,22 +79,6 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(Abort(request_id))
-
-    def load_adapter(self, name: str, path: str | None) -> Future:
-        """A LoRA adapter into a free slot of every agent (`path` None: unload `name`), between steps:
-        the Future's result is a line saying so, or its exception (adapters.AdapterError) why not."""
-        done: Future = Future()
-        self.adapters.pending.append(Load(name, path, done))
-        self.inbox.put(Wake())
-        return done
-
-    def drain(self, port: int, resume: bool = False) -> Future:
-        """Move every sequence of the agent on `port` to the others with its KV and schedule nothing
-        more there (`resume`: schedule there again). The Future's result says what moved, or its
-        exception (drain.DrainError) why not."""
-        done: Future = Future()
-        self.inbox.put(Drain(port, resume, done))
-        return done
 
     def stopping(self) -> None:
         """The server got its stop signal. A signal to the whole process group (Ctrl-C in a
@@ -144,19 +132,19 @@ class Engine:
                 # IDLE_WAIT_S between steps.
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
+                held = any(h.holds_steps() for h in self.hooks)
                 for lane in self.lanes:  # with overlap: step N+1 goes shortly before step N ends
-                    while (not self.adapters.holds_steps and lane.can_send and lane.send_wait(now) <= 0
-                           and self.stepper.launch(lane, now)):
+                    while not held and lane.can_send and lane.send_wait(now) <= 0 and self.stepper.launch(lane, now):
                         pass
-                if self.adapters.pending or self.adapters.parked:  # LoRA loads and swaps between steps
-                    self._run_adapters()
+                for hook in self.hooks:
+                    if hook.wants_turn():
+                        hook.turn()
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
                     wait = lane.send_wait(now) if lane.can_send else 0.0
                     limit = 0.005 if len(busy) > 1 else 0.05
                     self.stepper.poll(lane, min(limit, wait) if wait > 0 else limit)
                 self.supervisor.expire_overdue(time.monotonic())
-                self.drains.check()
                 self.out.flush()
                 self.metrics.observe_lanes(self.lanes)
         except Exception as exc:  # a bug: fail everything rather than leave requests hanging
@@ -169,7 +157,7 @@ class Engine:
     def _idle_wait(self, now: float) -> float:
         """How long the engine may sleep on its inbox: 0 while a live lane has work to launch or a
         command in flight; else until the next batch window closes, at most IDLE_WAIT_S."""
-        wait = IDLE_WAIT_S if not self.adapters.pending and not self.adapters.parked else 0.0
+        wait = 0.0 if any(h.wants_turn() for h in self.hooks) else IDLE_WAIT_S
         for lane in self.lanes:
             if lane.busy:
                 return 0.0
@@ -184,66 +172,19 @@ class Engine:
             return
         while True:
             if isinstance(msg, Add):
-                self._add(msg.request)
+                self.admission.add(msg.request)
             elif isinstance(msg, Abort):
                 self.requests.cancel(msg.request_id)
             elif isinstance(msg, Drain):
                 self.drains.start(msg)
             elif isinstance(msg, AgentBack):
-                self._replay_adapters(msg)
+                for hook in self.hooks:
+                    hook.agent_back(msg)
                 self.supervisor.agent_back(msg)
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _replay_adapters(self, msg: AgentBack) -> None:
-        """A restarted agent holds lora_modules only: the run-time loads again before it serves; one
-        it refuses now is not served wrong, the agent is killed and restarted again."""
-        if msg.client is None:
-            return
-        try:
-            self.adapters.replay(msg.client)
-        except Exception as exc:
-            log.error("agent %d: LoRA adapters not loaded again after its restart (%s); restarting it", msg.index, exc)
-            msg.client.kill()
-
-    def _run_adapters(self) -> None:
-        """Parked requests whose adapters are in slots go to the lanes; swaps for the others, and
-        run-time loads, once no step is in flight."""
-        for req in self.adapters.ready(self._placed_keys()):
-            self._assign(req)
-        self.adapters.apply(self.lanes, self._placed_keys())
-        for req in self.adapters.ready(self._placed_keys()):
-            self._assign(req)
-
-    def _placed_keys(self) -> list[int]:
-        """The adapter keys of the live requests that are not parked (their adapters stay in their slots)."""
-        parked = {id(r) for r in self.adapters.parked}
-        return [r.params.adapter_key for r in self.requests.live.values() if id(r) not in parked]
-
-    def _add(self, req: Request) -> None:
-        req.detok = IncrementalDetokenizer(self.tok, req.params.stop)
-        req.seq = Sequence(req.prompt, req.params, req.arrival, request=req)
-        self.requests.add(req)
-        if self.adapters.place(req):
-            self._assign(req)
-
-    def _assign(self, req: Request) -> None:
-        lora = req.params.lora
-        if lora is not None and lora.slot < 0:
-            self.requests.end(req, "error", lora.error or f"The model `{lora.name}` was unloaded",
-                              503 if lora.error else 404)
-            return
-        lanes = self.supervisor.open_lanes()
-        if not lanes:
-            self.requests.end(req, "error", f"no live agent: {self.supervisor.health(time.monotonic())[1]}", 503)
-            return
-        if not lanes[0].sched.fits(req.seq):  # the API caps lengths; this guards the liveness invariant
-            self.requests.end(req, "error", "request does not fit the KV cache")
-            return
-        self.metrics.prompt_tokens.inc(len(req.prompt))
-        self.supervisor.assign(req, lanes)
 
 
 def _why_kv_cannot_move(cfg: ServingConfig, clients: list[AgentLink]) -> str | None:

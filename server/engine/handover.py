@@ -15,9 +15,9 @@ from common.config import ServingConfig
 from server.engine.lane import AgentLane, LaneState
 from server.engine.metrics import Metrics
 from server.engine.requests import Requests
-from server.kv_handover import HandoverSlots
+from server.sched.handover import HandoverSlots
 from server.request import Status
-from server.step_plan import StepPlan
+from server.sched.step_plan import StepPlan
 from shm.arena import Segment, segment_name
 from shm.link import AgentLink
 
@@ -96,7 +96,7 @@ class Handover:
                 self.slots.give(seq.handover)  # the agent copied them in before the step
                 self.metrics.kv_handover_time.observe(now - seq.moved_at)
         for seq in plan.moves + [p.seq for p in plan.rows if p.export]:
-            if seq in lane.sched.exporting and seq.request.status is not Status.DONE:
+            if seq in lane.sched.moves.exporting and seq.request.status is not Status.DONE:
                 self._hand(lane, seq, lanes, now, requests)
             else:  # it ended meanwhile: the agent has written its slots, nobody reads them
                 self.slots.give(seq.handover)
@@ -112,7 +112,7 @@ class Handover:
             log.error("request %s: its KV is out and no agent to go on with it is live", seq.request.request_id)
             requests.end(seq.request, "error", "no agent to go on with it is live or coming back", 503)
             return
-        target.sched.incoming.append(seq)
+        target.sched.moves.incoming.append(seq)
         seq.request.lane = target.index
         seq.moved_at = now
         self.metrics.kv_handovers.inc()
@@ -124,7 +124,7 @@ def successor(seq: Any, lanes: list[AgentLane]) -> AgentLane | None:
     allows its next row (a decode, or the rest of its prompt), not draining, live (else coming
     back), the least loaded, then the one with the most free blocks. None: no such lane."""
     role = "prefill" if seq.remaining == 1 else "decode"  # the role that cannot go on with it
-    targets = [d for d in lanes if d.sched.role != role and not d.sched.draining
+    targets = [d for d in lanes if d.sched.role != role and not d.sched.moves.draining
                and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
     seq.agent_has_next = False  # its next row carries its token
     return min(targets, key=lambda d: (d.state is not LaneState.LIVE, d.sched.load, -d.sched.blocks.num_free),

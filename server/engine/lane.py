@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 from common.config import ServingConfig
-from common.memory import gib
 from common.procs import Backoff, pid_alive
+from server.engine.memory_watch import MemoryWatch
 from server.engine.pacing import StepPacer
-from server.kv_handover import HandoverSlots
-from server.scheduler import Scheduler
-from server.sequence import Sequence
-from server.speculation import SpecPolicy
-from server.step_plan import Planned, StepPlan
+from server.sched.handover import HandoverSlots
+from server.sched.scheduler import Scheduler
+from server.sched.sequence import Sequence
+from server.sched.speculative import SpecPolicy
+from server.sched.step_plan import Planned, StepPlan
 from shm.protocol import E_NOT_ATTACHED
 from shm.step import RowInput
 from shm.messages import AgentInfo, StepReply
@@ -58,6 +58,26 @@ def _targets(p: Planned) -> np.ndarray | None:
     return t
 
 
+def row_input(p: Planned) -> RowInput:
+    """A planned row as the arena takes it. A fed row carries a placeholder token: the agent takes its
+    own last sample (its real token may not be back yet)."""
+    return RowInput(p.seq.seq_id, np.zeros(p.n_tokens, np.int32) if p.feed else
+                    np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
+                    p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
+                    _targets(p), p.spec, p.seq.params.adapter_slot)
+
+
+def admitted_state(plan: StepPlan, drafts: bool) -> tuple[list[list[Any]], list[list[Any]]]:
+    """What the agent must know of the rows a step admits: the constrained ones' grammars and outputs
+    so far, and the tokens before a row admitted past position 0 (a prefix-cache hit, a hand-over)
+    whose sampling reads them (penalties; drafts), which the agent never saw."""
+    grammars = [[p.seq.seq_id, p.seq.params.grammar, list(p.seq.output)] for p in plan.rows
+                if p.admitted and p.seq.params.grammar]
+    histories = [[p.seq.seq_id, p.seq.tokens[:p.start]] for p in plan.rows
+                 if p.admitted and p.start > 0 and (drafts or p.seq.params.penalized)]
+    return grammars, histories
+
+
 def pads_cost(client: AgentLink) -> bool:
     """Whether the agent computes its steps' padding (as it said in its handshake; yes if unknown)."""
     return client.info is None or client.info.pads_cost
@@ -85,11 +105,9 @@ class AgentLane:
         self.replied_at = self.sent_at  # when the last step's reply came: the agent's next step starts then
         self.backoff = Backoff(cfg.max_agent_restarts)  # restarts in a row, reset by a successful step
         self.graph_compiles = 0  # graphs this lane's agent process has built, as it last said
-        self.down_since = 0.0
-        self.why = ""
+        self.down_since, self.why = 0.0, ""
         self.reattach = False  # down because another client took the agent (`r`): attach again, never restart
-        self.rss_bytes = client.info.rss_bytes  # the agent's resident memory, as its last reply said
-        self.over_plan_warned = False
+        self.memory = MemoryWatch(index, cfg.memory_margin, client.info)  # its resident memory against its plan
 
     def _scheduler(self) -> Scheduler:
         """A fresh scheduler: an empty KV pool, this agent's role."""
@@ -132,23 +150,12 @@ class AgentLane:
 
     def send_plan(self, plan: StepPlan, planned_at: float, extra: dict[str, Any] | None = None,
                   kv_frames: list[Any] | None = None) -> None:
-        """Write the step into a free arena slot and send it (raises AgentDead). Fed rows carry a
-        placeholder token: the agent takes its own last sample (their real token may not be back yet).
-        `extra`: header fields (its KV hand-over entries), `kv_frames` the slots it imports as frames."""
-        rows = [RowInput(p.seq.seq_id, np.zeros(p.n_tokens, np.int32) if p.feed else
-                         np.asarray(p.seq.tokens[p.start:p.start + p.n_tokens], np.int32),
-                         p.start, p.seq.table, p.sample, p.seq.params, len(p.seq.prompt), p.output_len, p.feed,
-                         _targets(p), p.spec, p.seq.params.adapter_slot)
-                for p in plan.rows]
+        """Write the step into a free arena slot and send it (raises AgentDead). `extra`: header fields (its KV hand-over entries), `kv_frames` the slots it imports as frames."""
+        rows = [row_input(p) for p in plan.rows]
         slot = self.client.next_slot()
         dims = self.client.arenas[slot].write_step(rows, self.cfg.block_size)
         step = InFlight(plan, slot, 0.0, 0.0)
-        grammars = [[p.seq.seq_id, p.seq.params.grammar, list(p.seq.output)] for p in plan.rows
-                    if p.admitted and p.seq.params.grammar]
-        # A row admitted past position 0 (a prefix-cache hit, a hand-over) whose sampling reads the
-        # tokens before it: the agent never saw them.
-        histories = [[p.seq.seq_id, p.seq.tokens[:p.start]] for p in plan.rows
-                     if p.admitted and p.start > 0 and (self.sched.spec is not None or p.seq.params.penalized)]
+        grammars, histories = admitted_state(plan, self.sched.spec is not None)
         if histories:
             extra = {**(extra or {}), "histories": histories}
         self.client.send_step(dims, free=plan.freed, has_prefill=plan.has_prefill, slot=slot, tag=step,
@@ -176,7 +183,7 @@ class AgentLane:
                 info = AgentInfo.from_wire(reply[0])
                 if info.server_pid != os.getpid():  # `r` from another server took the agent
                     raise AgentError("the agent no longer serves this server (reset by another)", E_NOT_ATTACHED)
-                self.note_rss(info.rss_bytes)
+                self.memory.note(info.rss_bytes)
             return None
         return self.client.poll_step(timeout_s)
 
@@ -210,15 +217,11 @@ class AgentLane:
         return seqs
 
     def orphan(self, launcher: int) -> None:
-        self.state = LaneState.ORPHANED
-        self.why = f"its launcher (pid {launcher}) is gone; start launch_agents again"
+        self.state, self.why = LaneState.ORPHANED, f"its launcher (pid {launcher}) is gone; start launch_agents again"
 
     def fail(self) -> None:
         """Down for good: restarts exhausted or not allowed."""
         self.state = LaneState.FAILED
-
-    def restart_failed(self, error: str) -> None:
-        self.why = f"restart failed: {error}"
 
     def replied(self, now: float) -> float:
         """A reply came `now`; returns when the agent started the step it answers (it ran the one
@@ -229,24 +232,8 @@ class AgentLane:
     def attach(self, client: AgentLink) -> None:
         self.client, self.state, self.sent_at = client, LaneState.LIVE, time.monotonic()
         self.graph_compiles = 0  # a new process
-        self.rss_bytes, self.over_plan_warned = client.info.rss_bytes, False
+        self.memory.attached(client.info)
         self.sched.spec = SpecPolicy(self.cfg) if speculates(client, self.cfg) else None  # as the new agent drafts
-
-    def note_rss(self, rss: int) -> None:
-        """The agent's resident memory from a reply; the first time it passes its plan, a warning."""
-        self.rss_bytes = rss or self.rss_bytes
-        if not self.over_plan_warned and (why := self.over_plan()):
-            self.over_plan_warned = True
-            log.warning("%s; /health says degraded", why)
-
-    def over_plan(self) -> str | None:
-        """Why this agent holds more than its memory plan by serving_config.memory_margin, or None
-        (also None where nothing was planned: off CPU, or an agent of an older version)."""
-        planned, margin = self.client.info.planned_bytes, self.cfg.memory_margin
-        if not planned or self.rss_bytes <= planned * (1 + margin):
-            return None
-        return (f"agent {self.index} holds {gib(self.rss_bytes)} resident, over its memory plan's {gib(planned)} "
-                f"by more than {margin:.0%} (serving_config.memory_margin)")
 
     def new_compiles(self, n: int) -> int:
         """Graphs the agent built since its last reply, of the `n` it has built (per process)."""
@@ -262,6 +249,6 @@ def lanes_stats(lanes: list[AgentLane]) -> dict[str, Any]:
             "agents_alive": sum(lane.live for lane in lanes),
             "kv_usage": [round(lane.sched.blocks.usage(), 4) for lane in lanes],
             "cached_blocks": [len(lane.sched.blocks.by_hash) for lane in lanes],  # prefix-cache blocks each holds
-            "draining": [lane.sched.draining for lane in lanes],
+            "draining": [lane.sched.moves.draining for lane in lanes],
             "devices": [f"{lane.client.info.device}:{lane.client.info.device_id}" for lane in lanes],
-            "memory": [{**lane.client.info.memory(), "rss_bytes": lane.rss_bytes} for lane in lanes]}
+            "memory": [{**lane.client.info.memory(), "rss_bytes": lane.memory.rss_bytes} for lane in lanes]}

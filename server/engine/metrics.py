@@ -55,8 +55,13 @@ class Metrics:
         self.routed_prefix_tokens = Counter("llm_serving_routed_prefix_tokens", "Prompt tokens those requests found "
                                             "cached beyond what the least loaded agent held", registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)
-        # Speculative decoding (speculative_config): drafts the agents proposed and kept, and what a
-        # drafting decode row emitted (its kept drafts and its own sample).
+        self._speculative_metrics(r)
+        self._lora_metrics(r)
+        self._handover_metrics(r)
+
+    def _speculative_metrics(self, r: CollectorRegistry) -> None:
+        """Speculative decoding (speculative_config): drafts the agents proposed and kept, and what a
+        drafting decode row emitted (its kept drafts and its own sample)."""
         self.spec_drafted = Counter("llm_serving_spec_draft_tokens", "Draft tokens the agents proposed", registry=r)
         self.spec_accepted = Counter("llm_serving_spec_accepted_tokens", "Draft tokens verified and kept", registry=r)
         self.spec_acceptance = Gauge("llm_serving_spec_acceptance_rate", "Kept / proposed draft tokens so far",
@@ -64,13 +69,13 @@ class Metrics:
         self.spec_emitted = Histogram("llm_serving_spec_tokens_per_step", "Tokens a drafting decode row emitted "
                                       "(1 + its kept drafts)", buckets=tuple(range(1, 18)), registry=r)
         self._drafts = [0, 0]  # proposed, kept
-        # LoRA adapters (serving_config.lora_modules, /v1/load_lora_adapter), by name
+
+    def _lora_metrics(self, r: CollectorRegistry) -> None:
+        """LoRA adapters (serving_config.lora_modules, /v1/load_lora_adapter), by name."""
         self.lora_finished = Counter("llm_serving_lora_requests_finished", "Finished requests per LoRA adapter",
                                      ["adapter", "reason"], registry=r)
         self.lora_tokens = Counter("llm_serving_lora_generation_tokens", "Generated tokens per LoRA adapter",
                                    ["adapter"], registry=r)
-
-        self._handover_metrics(r)
 
     def _handover_metrics(self, r: CollectorRegistry) -> None:
         """KV moved between agents: prefill/decode disaggregation (serving_config.agent_roles), drains."""
@@ -99,5 +104,5 @@ class Metrics:
         self.agents_alive.set(sum(lane.live for lane in lanes))
         for lane in lanes:
             self.kv_usage.labels(str(lane.index)).set(lane.sched.blocks.usage())
-            self.agent_rss.labels(str(lane.index)).set(lane.rss_bytes)
+            self.agent_rss.labels(str(lane.index)).set(lane.memory.rss_bytes)
             self.agent_planned.labels(str(lane.index)).set(lane.client.info.planned_bytes)

@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 from common.config import ServingConfig
 from server.engine.lane import AgentLane
 from server.engine.metrics import Metrics
-from server.sequence import Sequence
+from server.sched.sequence import Sequence
 
 # Sequences an agent holding the prefix may have beyond the least loaded's whatever the ratio: with 4,
 # a multi-turn workload on two agents recomputed 9% more prompt than one agent (turns sent elsewhere

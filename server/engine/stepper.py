@@ -15,7 +15,7 @@ from server.engine.requests import Requests
 from server.engine.supervisor import Supervisor
 from server.engine.trace import StepRecord, StepTrace
 from server.request import Status
-from server.step_plan import Planned, RowResult
+from server.sched.step_plan import Planned, RowResult
 from shm import protocol as P
 from shm.step import DraftOutputs, RowOutput, ScoreOutputs, StepOutputs, read_drafts, read_row, read_scores
 from shm.messages import StepReply
@@ -28,11 +28,10 @@ class Stepper:
     def __init__(self, cfg: ServingConfig, requests: Requests, out: OutputProcessor, metrics: Metrics,
                  supervisor: Supervisor, handover: Handover | None = None):
         """`handover`: KV moves between prefill and decode agents (serving_config.agent_roles)."""
-        self.cfg, self.requests, self.out, self.metrics, self.supervisor = cfg, requests, out, metrics, supervisor
-        self.handover = handover
+        self.cfg, self.requests, self.out, self.metrics = cfg, requests, out, metrics
+        self.supervisor, self.handover = supervisor, handover
         self.trace = StepTrace()  # recent steps, both sides (/debug/trace)
-        self.step_count = 0
-        self.step_wall_s = 0.0  # summed agent step wall time, to relate server CPU time to steps
+        self.step_count, self.step_wall_s = 0, 0.0  # steps; their summed agent wall time (to relate server CPU time)
 
     def launch(self, lane: AgentLane, now: float) -> bool:
         """Plan and send a step; False if there was nothing to send."""
@@ -155,7 +154,7 @@ class Stepper:
         self.step_count += 1
         self.step_wall_s += now - start
         self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
-        lane.note_rss(reply.rss_bytes)
+        lane.memory.note(reply.rss_bytes)
         self.metrics.kv_handover_copy.inc(reply.handover_s)
         arena = lane.client.arenas[step.slot].full
         self._scores(rows, arena.scores)

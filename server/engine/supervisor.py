@@ -45,7 +45,7 @@ class Supervisor:
     # ------------------------------------------------------------ routing
     def open_lanes(self) -> list[AgentLane]:
         """Lanes that take prompts (any role but `decode`): live ones, else those whose agent is coming back."""
-        lanes = [lane for lane in self.lanes if lane.sched.role != "decode" and not lane.sched.draining]
+        lanes = [lane for lane in self.lanes if lane.sched.role != "decode" and not lane.sched.moves.draining]
         return [lane for lane in lanes if lane.live] or [lane for lane in lanes if lane.state is LaneState.RECOVERING]
 
     def recompute(self, req: Request) -> None:
@@ -70,7 +70,7 @@ class Supervisor:
         else:
             log.error("agent %d: %s", lane.index, why)
         launcher = lane.orphaned()
-        moving, lane.sched.incoming = lane.sched.incoming, []  # their KV is in hand-over slots, not on the agent
+        moving, lane.sched.moves.incoming = lane.sched.moves.incoming, []  # their KV is in hand-over slots, not on the agent
         self.metrics.recomputed.inc(lane.sched.kv_tokens)
         seqs = lane.go_down(why, time.monotonic(), kill)
         if launcher is not None and self.restart is not None:  # launch_agents is gone: nothing comes back until it is started again
@@ -83,7 +83,7 @@ class Supervisor:
             lane.fail()
         for seq in moving:  # to another agent, or this one once it is back; else computed again
             if (target := successor(seq, self.lanes)) is not None and seq.request.status is not Status.DONE:
-                target.sched.incoming.append(seq)
+                target.sched.moves.incoming.append(seq)
                 seq.request.lane = target.index
             else:
                 lane.handover.give(seq.handover)
@@ -114,16 +114,16 @@ class Supervisor:
             log.warning("agent %d is back after %.1fs", lane.index, time.monotonic() - lane.down_since)
             self.metrics.agent_restarts.inc()
             lane.attach(msg.client)
-            lane.sched.draining = False  # a restarted agent takes work again (a drain's purpose was its restart)
+            lane.sched.moves.draining = False  # a restarted agent takes work again (a drain's purpose was its restart)
             self.metrics.graph_compiles.inc(lane.new_compiles(msg.client.info.graph_compiles))
             return
         log.error("agent %d: restart failed: %s", lane.index, msg.error)
-        lane.restart_failed(msg.error)
+        lane.why = f"restart failed: {msg.error}"
         if not lane.backoff.exhausted:
             self._restart(lane)
             return
         lane.fail()
-        for seq in lane.sched.waiting + lane.sched.incoming:
+        for seq in lane.sched.waiting + lane.sched.moves.incoming:
             self.requests.end(seq.request, "error", f"agent {lane.index} could not be restarted: {msg.error}", 503)
 
     def expire_overdue(self, now: float) -> None:
@@ -131,7 +131,7 @@ class Supervisor:
         for lane in self.lanes:
             if lane.state is LaneState.RECOVERING:
                 why = f"agent {lane.index} still recovering after {self.cfg.recovery_deadline_s:.0f}s ({lane.why})"
-                for seq in [s for s in lane.sched.waiting + lane.sched.incoming
+                for seq in [s for s in lane.sched.waiting + lane.sched.moves.incoming
                             if now - max(s.arrival, lane.down_since) > self.cfg.recovery_deadline_s]:
                     self.requests.end(seq.request, "error", why, 503)
 
@@ -145,7 +145,7 @@ class Supervisor:
                 return "recovering", f"agent {lane.index} restarting for {now - lane.down_since:.0f}s ({lane.why})"
             if lane.stuck(now):
                 return "unhealthy", f"agent {lane.index} step stuck for {now - lane.sent_at:.0f}s"
-        over = [why for lane in self.lanes if lane.live and (why := lane.over_plan())]
+        over = [why for lane in self.lanes if lane.live and (why := lane.memory.over_plan())]
         return ("degraded", "; ".join(over)) if over else ("ok", "ok")
 
     # ------------------------------------------------------------ restart threads

@@ -52,7 +52,7 @@ class Frontend:
 
     @property
     def served_names(self) -> list[str]:
-        """The base model's names, then its LoRA adapters' (server/engine/adapters.py)."""
+        """The base model's names, then its LoRA adapters' (server/engine/lora.py)."""
         return [self.cfg.model_name, *self.cfg.model_aliases, *self.engine.adapters.names]
 
     def check_model(self, name: str | None) -> LoraRef | None:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from server.engine.adapters import AdapterError
+from common.lora import AdapterError
 from server.http.frontend import ApiError, Frontend
 
 router = APIRouter()
@@ -30,7 +30,7 @@ class UnloadLora(BaseModel):
 
 async def _apply(f: Frontend, name: str, path: str | None) -> PlainTextResponse:
     try:
-        return PlainTextResponse(await asyncio.wrap_future(f.engine.load_adapter(name, path)))
+        return PlainTextResponse(await asyncio.wrap_future(f.engine.lora.load(name, path)))
     except AdapterError as exc:
         raise ApiError(exc.status, str(exc), code="model_not_found" if exc.status == 404 else None) from None
 

@@ -54,7 +54,7 @@ async def trace(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
 
 async def _drain(f: Frontend, port: int, resume: bool) -> dict[str, Any]:
     try:
-        return await asyncio.wrap_future(f.engine.drain(port, resume))
+        return await asyncio.wrap_future(f.engine.drains.ask(port, resume))
     except DrainError as exc:
         raise ApiError(exc.status, str(exc)) from None
 

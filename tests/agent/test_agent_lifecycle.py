@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,29 +14,11 @@ import pytest
 import yaml
 
 from shm.arena import our_segments
-from tests.helpers import ROOT, ServerProcess, free_port, tiny_config
+from tests.helpers import Launcher, ServerProcess, free_port, run_python, tiny_config
 
 PROMPT = "agents outlive servers"
 NEW = 12
 SERVERS: list[int] = []  # pids of every server this module started
-
-
-class Launcher:
-    """`launch_agents --config X` as a real child process, with its own runtime folder."""
-
-    def __init__(self, config: Path, env: dict[str, str]):
-        self.log = config.with_suffix(".launch.log")
-        self.proc = subprocess.Popen([sys.executable, "-m", "llm_serving.launch", "--config", str(config)], cwd=ROOT,
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 300
-        while "all agents started" not in self.log.read_text():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
-            time.sleep(0.2)
-
-    def agent_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
 
 
 def _server(config: Path, *args: str, env: dict[str, str]) -> ServerProcess:
@@ -61,10 +41,6 @@ def _other_http_port(config: Path) -> Path:
     path = config.with_name(f"{config.stem}-{doc['serving_config']['server_port']}.yaml")
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def _run(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +75,7 @@ def test_agents_outlive_servers_and_r_frees_them_from_a_stuck_one(deployment):
     os.kill(c.proc.pid, signal.SIGSTOP)  # stuck, alive, still attached
     try:
         other = _other_http_port(config)
-        busy = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)  # refused, no wait
+        busy = run_python("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)  # refused, no wait
         assert busy.returncode == 1
         assert f"attached to server pid {c.proc.pid}" in busy.stderr and "send r" in busy.stderr
         d = _server(other, "--attach", "--reset-agents", env=env)  # `r` takes them over
@@ -129,7 +105,7 @@ def test_each_agent_runs_on_its_own_device_id(deployment):
 
 def test_agent_client_speaks_the_protocol_with_the_same_tokens(deployment):
     config, _, env, _ = deployment
-    got = _run("tools/agent_client.py", "--config", str(config), "--prompt", PROMPT, "--max-tokens", str(NEW),
+    got = run_python("tools/agent_client.py", "--config", str(config), "--prompt", PROMPT, "--max-tokens", str(NEW),
                "--ignore-eos", "--json", env=env)
     assert got.returncode == 0, got.stderr
     out = json.loads(got.stdout)
@@ -147,7 +123,7 @@ def test_mismatched_geometry_is_refused_naming_both_values(deployment, tmp_path)
     doc["pa_config"]["block_size"] = 8
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump(doc))
-    r = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
+    r = run_python("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
     assert r.returncode == 1
     assert "geometry mismatch: server has block_size=8, agent has block_size=4" in r.stderr
 
@@ -163,7 +139,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused(deployment, tmp_path):
     doc["tokenizer"] = {"vocab_file": str(tmp_path / "tokenizer.json")}
     other = tmp_path / "big-vocab.yaml"
     other.write_text(yaml.safe_dump(doc))
-    r = _run("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
+    r = run_python("-m", "llm_serving.serve", "--config", str(other), "--attach", env=env)
     assert r.returncode == 1 and "the tokenizer has 300 ids, the model 272" in r.stderr
 
 
@@ -181,7 +157,7 @@ def test_a_tcp_agent_port_held_on_this_host_is_refused_before_loading(tmp_path, 
         del os.environ["LLM_SERVING_RUNTIME_DIR"]
     try:
         config = tiny_config(tmp_path, tiny_model_dir, agent_ip="127.0.0.2", agent_ports=[port])
-        r = _run("-m", "llm_serving.launch", "--config", str(config), "--insecure", env=env)
+        r = run_python("-m", "llm_serving.launch", "--config", str(config), "--insecure", env=env)
         assert r.returncode == 1 and f"port {port} in use by pid {os.getpid()}" in r.stderr, r.stderr
         assert "agent0" not in r.stderr  # the launcher's own line: no agent process was started
     finally:
@@ -190,7 +166,7 @@ def test_a_tcp_agent_port_held_on_this_host_is_refused_before_loading(tmp_path, 
 
 def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
     config, launcher, env, _ = deployment
-    r = _run("-m", "llm_serving.launch", "--config", str(config), env=env)
+    r = run_python("-m", "llm_serving.launch", "--config", str(config), env=env)
     assert r.returncode == 1 and "weights loaded" not in r.stderr  # refused before any agent loads
     port = yaml.safe_load(config.read_text())["serving_config"]["agent_ports"][0]
     assert f"port {port} in use by pid {launcher.agent_pids()[0]}" in r.stderr
@@ -201,12 +177,12 @@ def test_busy_agent_port_and_http_port_fail_fast(deployment, tmp_path):
         doc["serving_config"]["agent_ports"] = [free_port()]  # would start a fresh agent...
         second = tmp_path / "second.yaml"
         second.write_text(yaml.safe_dump(doc))
-        r = _run("-m", "llm_serving.serve", "--config", str(second), env=env)  # ...but its HTTP port is taken
+        r = run_python("-m", "llm_serving.serve", "--config", str(second), env=env)  # ...but its HTTP port is taken
         assert r.returncode == 1 and "weights loaded" not in r.stderr  # refused before any agent loads
         assert f"HTTP port {doc['serving_config']['server_port']}" in r.stderr
         doc["serving_config"]["server_port"] = free_port()
         second.write_text(yaml.safe_dump(doc))
-        no_agent = _run("-m", "llm_serving.serve", "--config", str(second), "--attach", env=env)
+        no_agent = run_python("-m", "llm_serving.serve", "--config", str(second), "--attach", env=env)
         assert no_agent.returncode == 1 and "no agent on port" in no_agent.stderr
     finally:
         srv.stop()

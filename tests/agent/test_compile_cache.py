@@ -16,6 +16,7 @@ from tests.helpers import ROOT
 SCRIPT = r"""
 import json, sys
 import numpy as np
+from agent.packing import GraphInputs
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig, compile_cache_key
 from agent.graph_call import setup_mindspore
@@ -36,7 +37,8 @@ for t, r in json.loads(sys.argv[3]):  # r rows of t // r tokens each, packed
     tables = np.zeros((r, rc.width), np.int32)
     tables[:, : -(-q // 4)] = 1 + np.arange(r * -(-q // 4), dtype=np.int32).reshape(r, -1)
     slots = (tables[token_rows, positions // 4] * 4 + positions % 4).astype(np.int32)
-    logits, _ = runner._run(tokens, positions, slots, token_rows, tables, np.arange(r, dtype=np.int32) * q + q - 1)
+    logits, _ = runner._run(GraphInputs(tokens, positions, slots, token_rows, tables,
+                                        np.arange(r, dtype=np.int32) * q + q - 1, None))
     out[f"{t},{r}"] = logits.tolist()
 print("RESULT" + json.dumps(out))
 """

@@ -13,12 +13,13 @@ import pytest
 
 from agent import kernels
 from agent.model.quant import bf16_bits
-from agent.model.linear import BF16_BLOCK, Bf16Linear, F16Linear, F32Linear
+from agent.model.linear import Bf16Linear, F16Linear, F32Linear
+from agent.model.params import WEIGHT_BLOCK
 from common.cpu import cpu_flags
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
-from tests.agent.test_int8 import _call
-from tests.agent.test_model_runner import PROMPTS, PagedDriver, make_runner
+from tests.agent.kernel_calls import call_kernel
+from tests.agent.drivers import PROMPTS, PagedDriver, make_runner
 
 # The kernels a CPU kind changes: run again as other kinds by tools/test.sh (LLM_SERVING_MAX_ISA).
 pytestmark = pytest.mark.isa
@@ -47,8 +48,8 @@ def check_kernel(lib_path: str) -> str:
             w = rng.standard_normal((n, k)).astype(np.float32)
             x = rng.standard_normal((m, k)).astype(np.float32) * 3
             (stored,) = cls.stored(w)
-            y = np.zeros((m, stored.shape[0] * BF16_BLOCK), np.float32)
-            assert _call(lib, "LinearBlocks", [x, stored, y]) == 0
+            y = np.zeros((m, stored.shape[0] * WEIGHT_BLOCK), np.float32)
+            assert call_kernel(lib, "LinearBlocks", [x, stored, y]) == 0
             if cls is Bf16Linear:  # the kernel's own semantics: bf16 x and w, exact products, fp32 sums
                 xh, wh = as_f32(bf16_bits(x)).astype(np.float64), as_f32(bf16_bits(w)).astype(np.float64)
             else:  # fp32 x; f16 or fp32 w
@@ -138,7 +139,7 @@ def test_float16_cache_saturates_instead_of_overflowing():
     q = np.zeros((1, hd), np.float32)
     pro = np.zeros(3 * hd + 2 * hd + 4, np.float32)  # no bias, no q/k norm, no window
     pro[-1] = 4  # rope: the tables' 4 rows (agent/kernels/prologue.h)
-    assert _call(lib, "RopeCache", [qkv, cos, sin, np.zeros(1, np.int32), np.ones(1, np.int32), kc, vc, pro, q]) == 0
+    assert call_kernel(lib, "RopeCache", [qkv, cos, sin, np.zeros(1, np.int32), np.ones(1, np.int32), kc, vc, pro, q]) == 0
     assert kc[1, 0, :3].tolist() == [65504, -65504, 1.5] and vc[1, 0, :3].tolist() == [-65504, 65504, 2.0]
 
 

@@ -11,6 +11,7 @@ import pytest
 from agent import kernels as native
 from agent.model.quant import CHANNEL, LANES, Int8Rows, group_for, quantize
 from agent.graph_call import setup_mindspore
+from tests.agent.kernel_calls import call_kernel, channel_want, integer_tokens
 from tests.helpers import channel_refused_here
 
 # The kernels a CPU kind changes: run again as other kinds by tools/test.sh (LLM_SERVING_MAX_ISA).
@@ -136,13 +137,13 @@ def test_lora_a_rows_beside_int8_weights_stay_float(group, m):
     a = rng.standard_normal((e, k)).astype(np.float32)
     x, d = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((m, k)).astype(np.float32)
     plain, wide = np.zeros((m, n), np.float32), np.zeros((m, n + e), np.float32)
-    assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, plain]) == 0
-    assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, a, wide]) == 0
+    assert call_kernel(lib, "LinearInt8", [x, q, rows.scale, gain, plain]) == 0
+    assert call_kernel(lib, "LinearInt8", [x, q, rows.scale, gain, a, wide]) == 0
     np.testing.assert_array_equal(wide[:, :n], plain)
     every = wide.copy()
     np.testing.assert_allclose(wide[:, n:], x.astype(np.float64) @ a.T, rtol=1e-4, atol=1e-4)
     eps, total = np.array([1e-6], np.float32), np.zeros((m, k), np.float32)
-    assert _call(lib, "AddRmsLinearInt8", [x, d, eps, q, rows.scale, gain, a, total, wide]) == 0
+    assert call_kernel(lib, "AddRmsLinearInt8", [x, d, eps, q, rows.scale, gain, a, total, wide]) == 0
     s = (x + d).astype(np.float64)
     normed = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(wide[:, n:], normed @ a.T, rtol=1e-4, atol=1e-4)
@@ -155,29 +156,17 @@ def test_lora_a_rows_beside_int8_weights_stay_float(group, m):
         cols = slice(16 * slot[t], 16 * slot[t] + 16)
         want[t, cols] = x[t].astype(np.float64) @ a[cols].T
     wide[:] = np.nan
-    assert _call(lib, "LinearInt8", [x, q, rows.scale, gain, a, mask, wide]) == 0
+    assert call_kernel(lib, "LinearInt8", [x, q, rows.scale, gain, a, mask, wide]) == 0
     np.testing.assert_array_equal(wide[:, :n], plain)
     np.testing.assert_allclose(wide[:, n:], want, rtol=1e-4, atol=1e-4)
     # a token's columns are its bits alone, whatever else the step holds (identical rows of one
     # adapter gathered into one sgemm came back apart)
     for t in range(m):
         alone = np.full((1, n + e), np.nan, np.float32)
-        assert _call(lib, "LinearInt8", [x[t:t + 1], q, rows.scale, gain, a, mask[t:t + 1], alone]) == 0
+        assert call_kernel(lib, "LinearInt8", [x[t:t + 1], q, rows.scale, gain, a, mask[t:t + 1], alone]) == 0
         np.testing.assert_array_equal(alone[0], wide[t])
-        assert _call(lib, "LinearInt8", [x[t:t + 1], q, rows.scale, gain, a, alone]) == 0
+        assert call_kernel(lib, "LinearInt8", [x[t:t + 1], q, rows.scale, gain, a, alone]) == 0
         np.testing.assert_array_equal(alone[0], every[t])
-
-
-def channel_want(x: np.ndarray, rows: Int8Rows) -> np.ndarray:
-    """The per-channel recipe with integer activations whose every token reaches 127 (scale 1):
-    the exact integer dot products times each channel's scale."""
-    return (x.astype(np.int64) @ rows.q.astype(np.int64).T) * rows.scale[:, 0].astype(np.float64)
-
-
-def integer_tokens(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
-    x = rng.integers(-127, 128, (m, k)).astype(np.float32)
-    x[:, 0] = 127 * rng.choice([-1, 1], m)  # each token's max is exactly 127
-    return x
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 100, 33), (5, 1536, 577), (10, 576, 48), (130, 64, 40), (64, 576, 1536)])
@@ -198,7 +187,7 @@ import ctypes, sys
 import numpy as np
 from agent import kernels
 from agent.model.quant import CHANNEL, quantize
-from tests.agent.test_int8 import _call, channel_want, integer_tokens
+from tests.agent.kernel_calls import call_kernel, channel_want, integer_tokens
 lib = ctypes.CDLL(kernels.library())
 lib.Int8ChannelKernelPath.restype = ctypes.c_char_p
 print(lib.Int8ChannelKernelPath().decode())
@@ -211,7 +200,7 @@ for m, k, n in [(1, 576, 960), (4, 1536, 577), (64, 576, 1536), (130, 64, 40)]:
     rng = np.random.default_rng(m + k + n)
     rows = quantize(rng.standard_normal((n, k)).astype(np.float32), CHANNEL)
     x, y = integer_tokens(rng, m, k), np.zeros((m, n), np.float32)
-    assert _call(lib, "LinearInt8", [x, kernels.pack_int8_channel(rows.q), rows.scale, np.ones(k, np.float32), y]) == 0
+    assert call_kernel(lib, "LinearInt8", [x, kernels.pack_int8_channel(rows.q), rows.scale, np.ones(k, np.float32), y]) == 0
     want = channel_want(x, rows)
     print(m, k, n, float(np.abs(y - want).max() / np.abs(want).max()))
 """
@@ -346,16 +335,6 @@ PATHS = [("haswell", {"avx2", "fma"}, "AVX2 vpmaddubsw", ""), ("alderlake", {"av
          ("icelake-server", AVX512, "in 512-bit tiles", "512")]
 
 
-def _call(lib, fn: str, arrays: list[np.ndarray]) -> int:
-    import ctypes as C
-
-    n = len(arrays)
-    shapes = [(C.c_int64 * max(1, a.ndim))(*a.shape) for a in arrays]
-    return getattr(lib, fn)(n, (C.c_void_p * n)(*[a.ctypes.data for a in arrays]), (C.c_int * n)(*[a.ndim for a in arrays]),
-                            (C.POINTER(C.c_int64) * n)(*[C.cast(s, C.POINTER(C.c_int64)) for s in shapes]),
-                            (C.c_char_p * n)(*[str(a.dtype).encode() for a in arrays]), None, None)
-
-
 @pytest.mark.parametrize("march, needs, name, vector", PATHS, ids=[p[2] for p in PATHS])
 def test_every_int8_path_this_cpu_has_sums_exactly(march, needs, name, vector, tmp_path, monkeypatch):
     import ctypes
@@ -383,7 +362,7 @@ def test_every_int8_path_this_cpu_has_sums_exactly(march, needs, name, vector, t
         x = rng.integers(-127, 128, (m, k)).astype(np.float32)
         x[:, ::g] = 127 * rng.choice([-1, 1], (m, len(range(0, k, g))))
         y = np.zeros((m, n), np.float32)
-        assert _call(lib, "LinearInt8", [x, rows.q, rows.scale, np.ones(k, np.float32), y]) == 0
+        assert call_kernel(lib, "LinearInt8", [x, rows.q, rows.scale, np.ones(k, np.float32), y]) == 0
         xi = np.zeros((m, rows.q.shape[1]), np.int64)
         xi[:, :k] = x
         dots = np.einsum("mgk,ngk->mng", xi.reshape(m, -1, g), rows.natural().astype(np.int64).reshape(n, -1, g))

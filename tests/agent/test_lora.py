@@ -12,40 +12,13 @@ import shutil
 import numpy as np
 import pytest
 
-from agent.graph_call import setup_mindspore
-from agent.lora import AdapterError, read_adapter
-from agent.model.lora import LoraSlots
-from agent.runner import ModelRunner
+from agent.lora import read_adapter
+from common.lora import AdapterError
 from agent.runner_config import RunnerConfig
-from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.memory import ModelShape, lora_bytes, weight_bytes
 from common.model_files import ModelFiles
-from tests.agent.test_families import BLOCK, FIXTURES as FAMILIES, MAX_LEN, TOLERANCE, forced_logits
-from tests.helpers import ROOT
-
-LORA = ROOT / "tests" / "fixtures" / "lora"
-ADAPTERS = ("qv8", "all16")
-
-
-def lora_runner(base: str, native: bool, slots: int = 3, dtype: str = "float32", tp: Group = Group()) -> ModelRunner:
-    """The fixture base with both adapters in slots 0 and 1 (slot 2 left empty); `tp`: as this rank
-    of a tensor-parallel group (tests/agent/test_tensor_parallel.py)."""
-    setup_mindspore()
-    cfg, weights = load_model(ModelFiles("hf", FAMILIES / base), max_position=MAX_LEN, int8=dtype == "int8")
-    adapters = [read_adapter(name, LORA / base / name, cfg, 16) for name in ADAPTERS]
-    n_seqs = 12
-    rc = RunnerConfig(num_blocks=1 + n_seqs * (MAX_LEN // BLOCK), block_size=BLOCK, max_model_len=MAX_LEN,
-                      token_buckets=[16, 128] if native else [128], max_running=n_seqs, native_kernels=native,
-                      model_dtype=dtype, lora=(slots, 16), tp=tp)
-    runner = ModelRunner(cfg, weights, rc, lora=LoraSlots(adapters, slots, 16))
-    runner.warmup()
-    return runner
-
-
-def golden(base: str, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    z = np.load(LORA / base / f"{name}.npz")
-    return [(z[f"ids{i}"], z[f"logits{i}"]) for i in range(len(z.files) // 2)]
+from tests.agent.goldens import ADAPTERS, FIXTURES as FAMILIES, LORA, MAX_LEN, TOLERANCE, forced_logits, lora_golden, lora_runner
 
 
 @pytest.mark.parametrize("base,native,dtype", [("llama-tf5", True, "float32"), ("qwen2-tf5", True, "float32"),
@@ -68,7 +41,7 @@ def test_base_and_adapters_packed_together_match_peft(base, native, dtype):
     else:
         planned = weight_bytes(shape, dtype) + lora_bytes(shape, 3, 16, dtype)
         assert abs(runner.model.weight_bytes - planned) <= 0.02 * planned, (runner.model.weight_bytes, planned)
-    refs = {a: golden(base, name) for a, name in enumerate(("base", *ADAPTERS))}
+    refs = {a: lora_golden(base, name) for a, name in enumerate(("base", *ADAPTERS))}
     cases = [(a, i) for a in refs for i in range(len(refs[0]))]
     seqs = [refs[a][i][0] for a, i in cases]
     prompt_lens = [len(ids) - 16 for ids in seqs]  # every continuation is 16 tokens
@@ -146,7 +119,7 @@ def test_a_slot_written_between_steps_serves_its_new_adapter(native, dtype):
     the next step on; a slot emptied gives the base model's; a rank over the slots' is refused."""
     runner, tol = lora_runner("llama-tf5", native, slots=2, dtype=dtype), TOLERANCE[dtype]  # qv8 in slot 0, all16 in 1
     cfg = runner.cfg
-    refs = {name: golden("llama-tf5", name) for name in ("base", *ADAPTERS)}
+    refs = {name: lora_golden("llama-tf5", name) for name in ("base", *ADAPTERS)}
 
     def worst(name: str, adapter: int) -> float:
         seqs = [ids for ids, _ in refs[name]]
@@ -181,7 +154,7 @@ def test_llama_cpp_gguf_adapters_serve_peft_s_logits(base, tmp_path):
         adapter = read_adapter(name, path, runner.cfg, 16)
         assert adapter.mats.keys() == read_adapter(name, LORA / base / name, runner.cfg, 16).mats.keys()
         runner.load_adapter(slot, adapter)
-    cases = [(a, ids, ref) for a, name in ((1, "qv8"), (2, "all16")) for ids, ref in golden(base, name)[:3]]
+    cases = [(a, ids, ref) for a, name in ((1, "qv8"), (2, "all16")) for ids, ref in lora_golden(base, name)[:3]]
     got = forced_logits(runner, [ids for _, ids, _ in cases], [len(ids) - 16 for _, ids, _ in cases],
                         [a for a, _, _ in cases])
     for (a, ids, ref), ours in zip(cases, got):
@@ -226,7 +199,7 @@ def test_identical_rows_of_one_adapter_on_int8_give_the_bits_one_gives_alone():
     float shrink and expand must too: six copies of one prompt on one adapter in the same steps each
     give the bits the prompt gives alone (8 identical greedy requests came back as 4-5 texts)."""
     runner = lora_runner("llama-tf5", True, dtype="int8")
-    ids, _ = golden("llama-tf5", "all16")[0]
+    ids, _ = lora_golden("llama-tf5", "all16")[0]
     n = len(ids) - 16
     alone = forced_logits(runner, [ids], [n], [2])[0]
     for got in forced_logits(runner, [ids] * 6, [n] * 6, [2] * 6):

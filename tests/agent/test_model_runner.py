@@ -9,71 +9,14 @@ import pytest
 from agent.kernels import library
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
-from agent.graph_call import setup_mindspore
 from server.sampling_params import SamplingParams
 from shm.step import RowInput
-from shm.arena import Arena, ArenaSpec
+from tests.agent.drivers import LOGIT_TOL, PROMPTS, PagedDriver, make_runner
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
 from tests.helpers import ROOT
 
-LOGIT_TOL = 1e-3
-PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [250, 1, 2], list(range(30, 70)), [9]]
 DECODE_STEPS = 32
-TOKEN_BUCKETS = [1, 2, 4, 8, 16, 64, 128]
-# The plain path's graphs take seconds each to build: one bucket holds every step PagedDriver runs
-# on PROMPTS (a decode step pads to it).
-PLAIN_BUCKETS = [64]
-
-
-def make_runner(weights, block_size: int, num_blocks: int = 0, native: bool = True,
-                dtype: str = "float32", kv_dtype: str = "auto") -> ModelRunner:
-    setup_mindspore()
-    num_blocks = num_blocks or 1 + 4 * (-(-128 // block_size)) + 8
-    rc = RunnerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=128,
-                      token_buckets=TOKEN_BUCKETS if native else PLAIN_BUCKETS, max_running=16, native_kernels=native,
-                      model_dtype=dtype, kv_cache_dtype=kv_dtype)
-    runner = ModelRunner(tiny_model_config(), weights, rc)
-    assert runner.native_kernels == native  # CI machines have a C++ compiler: the kernels must build
-    runner.warmup()
-    return runner
-
-
-class PagedDriver:
-    """Minimal sequence bookkeeping: whole-prompt prefill, then greedy decode, all rows per step."""
-
-    def __init__(self, runner: ModelRunner, params: SamplingParams | None = None):
-        self.runner, self.bs = runner, runner.rc.block_size
-        self.arena = Arena.private(ArenaSpec(512, 16, runner.rc.max_model_len // self.bs + 1))
-        self.next_block = 1  # block 0 is reserved for padding writes
-        self.params = params or SamplingParams()
-
-    def _table(self, length: int, table: list[int]) -> list[int]:
-        while len(table) * self.bs < length:
-            table.append(self.next_block)
-            self.next_block += 1
-        return table
-
-    def run(self, prompts: list[list[int]], steps: int, collect_logits: bool = True):
-        seqs = [list(p) for p in prompts]
-        tables: list[list[int]] = [[] for _ in prompts]
-        fed = [0] * len(prompts)
-        all_logits: list[list[np.ndarray]] = [[] for _ in prompts]
-        for _ in range(steps + 1):
-            rows = []
-            for i, s in enumerate(seqs):
-                rows.append(RowInput(i, np.asarray(s[fed[i]:], np.int32), fed[i], self._table(len(s), tables[i]),
-                                     True, self.params, len(prompts[i]), len(s) - len(prompts[i])))
-            v = self.arena.step(self.arena.write_step(rows, self.bs))
-            if collect_logits:
-                logits, _ = self.runner.forward(v.inputs)
-                for i in range(len(seqs)):
-                    all_logits[i].append(logits[i].copy())
-            self.runner.step(v, [])
-            for i, s in enumerate(seqs):
-                fed[i] = len(s)
-                s.append(int(v.outputs.ids[i]))
-        return seqs, all_logits
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +200,7 @@ _PLAIN_4096 = """
 import sys
 import numpy as np
 import agent.model.attention
+from agent.packing import GraphInputs
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
@@ -276,8 +220,8 @@ runner.warmup()  # builds the graph; its buffers come with the first run
 open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
 base = status("VmRSS")
 t = np.arange(3584, 4096, dtype=np.int32)
-runner._run(t % 200, t, t + 16, np.zeros(512, np.int32), np.arange(1, 1 + 4096 // 16, dtype=np.int32)[None],
-            np.array([511], np.int32))
+runner._run(GraphInputs(t % 200, t, t + 16, np.zeros(512, np.int32),
+                        np.arange(1, 1 + 4096 // 16, dtype=np.int32)[None], np.array([511], np.int32), None))
 print(status("VmHWM") - base)
 """
 

@@ -1,4 +1,4 @@
-"""Speculative decoding on the agent (agent/spec/): n-gram and draft-model drafts verified in the
+"""Speculative decoding on the agent (agent/speculative/): n-gram and draft-model drafts verified in the
 packed step give token for token what plain decoding gives, greedy and seeded, alone and batched,
 with penalties and logprobs; the proposers themselves on known sequences."""
 from __future__ import annotations
@@ -11,12 +11,10 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from agent.spec.draft_model import DraftModelProposer
-from agent.spec.ngram import NgramProposer
+from agent.speculative.draft_model import DraftModelProposer
+from agent.speculative.ngram import NgramProposer
 from server.sampling_params import SamplingParams
-from shm.arena import Arena, ArenaSpec
-from shm.step import RowInput, read_drafts
-from tests.agent.test_model_runner import make_runner
+from tests.agent.drivers import SpecDriver, make_runner
 
 LOOPY = [[5, 6, 7, 8, 9] * 6, [40, 41, 42, 40, 41, 42, 40, 41], [100, 3, 100, 3, 100], list(range(60, 75)) * 2]
 
@@ -30,54 +28,9 @@ def test_ngram_proposes_what_followed_the_longest_suffix_seen_before():
     assert NgramProposer(2, 3).propose(np.array([1, 2, 9, 2], np.int32), 2).tolist() == []  # 1-grams too short
 
 
-class SpecDriver:
-    """Prefill each prompt, then fed decode rows with `k` drafts each (0: plain decoding), all rows
-    per step; tokens are appended from each row's accepted drafts and its last token."""
-
-    def __init__(self, runner, params: SamplingParams, k: int):
-        self.runner, self.params, self.k, self.bs = runner, params, k, runner.rc.block_size
-        self.arena = Arena.private(ArenaSpec(256, 16, runner.rc.max_model_len // self.bs + 1))
-        self.next_block, self.accepted, self.short = 1, 0, 0  # drafts kept; rows the proposer left slots empty in
-
-    def _table(self, length: int, table: list[int]) -> list[int]:
-        while len(table) * self.bs < length:
-            table.append(self.next_block)
-            self.next_block += 1
-        return table
-
-    def run(self, prompts: list[list[int]], n_new: int, seq0: int = 0) -> list[list[int]]:
-        seqs, tables = [list(p) for p in prompts], [[] for _ in prompts]
-        rows = [RowInput(seq0 + i, np.asarray(p, np.int32), 0, self._table(len(p), tables[i]), True, self.params,
-                         len(p), 0) for i, p in enumerate(prompts)]
-        self._step(rows, seqs)
-        while min(len(s) - len(p) for s, p in zip(seqs, prompts)) < n_new:
-            rows = []
-            for i, (s, p) in enumerate(zip(seqs, prompts)):
-                k = max(0, min(self.k, n_new - (len(s) - len(p)) - 1))
-                rows.append(RowInput(seq0 + i, np.zeros(1 + k, np.int32), len(s) - 1,
-                                     self._table(len(s) + k, tables[i]), True, self.params, len(p), len(s) - len(p),
-                                     feed=True, spec=k))
-            self._step(rows, seqs)
-        return [s[:len(p) + n_new] for s, p in zip(seqs, prompts)]
-
-    def _step(self, rows: list[RowInput], seqs: list[list[int]]) -> None:
-        dims = self.arena.write_step(rows, self.bs)
-        v = self.arena.step(dims)
-        self.runner.step(v, [])
-        first = 0
-        for r, row in enumerate(rows):
-            a = int(v.outputs.accepted[r])
-            assert a <= v.outputs.drafted[r] <= row.spec
-            self.short += int(v.outputs.drafted[r] < row.spec)
-            seqs[r].extend(
-                [d.token for d in read_drafts(v.drafts, first, a, 0)] + [int(v.outputs.ids[r])])
-            first += row.spec
-            self.accepted += a
-
-
 def _proposing_runner(weights, block_size=16):
     runner = make_runner(weights, block_size)
-    runner.seqs.proposer = NgramProposer(1, 3)
+    runner.use_proposer(NgramProposer(1, 3))
     return runner
 
 
@@ -104,15 +57,16 @@ def test_drafts_change_no_token(spec_runner, params):
 @contextmanager
 def drafting(runner, proposer):
     """`runner` with `proposer` for the block (its own proposer again after)."""
-    old, runner.seqs.proposer = runner.seqs.proposer, proposer
+    old = runner.seqs.proposer
+    runner.use_proposer(proposer)
     try:
         yield runner
     finally:
-        runner.seqs.proposer = old
+        runner.use_proposer(old)
 
 
 def _draft(weights, target, dtype: str) -> DraftModelProposer:
-    """A draft of the same weights in `dtype` with the target's KV geometry (as agent.spec.draft_load
+    """A draft of the same weights in `dtype` with the target's KV geometry (as agent.speculative.draft_load
     builds it)."""
     return DraftModelProposer(make_runner(weights, 16, num_blocks=target.rc.num_blocks, dtype=dtype), "draft")
 
@@ -207,7 +161,7 @@ def _draw(context: list[int], rng, temperature: float, top_p: float) -> int:
 def _speculated(prompt: list[int], drafts: list[int], rng, temperature: float, top_p: float) -> tuple[int, ...]:
     """The first DEPTH tokens: one verification of `drafts`, then plain sampling for the rest."""
     from agent.sampling import sample
-    from agent.spec.verify import verify
+    from agent.speculative.verify import verify
     logits = np.stack([_toy_logits(prompt + drafts[:j]) for j in range(len(drafts) + 1)])
     lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
 
@@ -254,7 +208,7 @@ def test_a_draft_with_another_tokenizer_is_refused_by_name(tmp_path, tiny_model_
     """`draft` with a model whose vocabulary is another (two tokens swapped; SmolLM2's 49152) is a
     ConfigError naming the difference, before any graph is built."""
     from agent.runner_config import RunnerConfig
-    from agent.spec.draft_load import load_draft
+    from agent.speculative.draft_load import load_draft
     from common.config import ConfigError, load_config
     from common.model_files import resolve_model
     from common.tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ import pytest
 from agent.tensor_parallel import SEGMENT_DIR, create_segment, group_link, slot_floats, stop_link
 from common.config import ServingConfig
 from shm.arena import segment_name
-from tests.agent.test_model_runner import PROMPTS
+from tests.agent.drivers import PROMPTS
 from tests.conftest import TINY, tiny_model_config
 from tests.helpers import ROOT
 from tests.reference import random_weights, reference_logits
@@ -32,7 +32,7 @@ from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.graph_call import setup_mindspore
 from agent.tensor_parallel import Group
-from tests.agent.test_model_runner import PLAIN_BUCKETS, PROMPTS, PagedDriver
+from tests.agent.drivers import PLAIN_BUCKETS, PROMPTS, PagedDriver
 from tests.conftest import TINY, tiny_model_config
 from tests.reference import random_weights
 
@@ -76,9 +76,10 @@ class RankDriver(PagedDriver):
 # The same greedy continuations, alone, with n-gram drafts (3 a step) verified on every rank;
 # positions from the rank's own history (ranks > 0 write no outputs).
 def speculated(prompts, steps):
-    from agent.spec.ngram import NgramProposer
+    from agent.speculative.ngram import NgramProposer
     from shm.step import RowInput
-    runner.seqs.proposer, drv, got = NgramProposer(1, 3), PagedDriver(runner), []
+    drv, got = PagedDriver(runner), []
+    runner.use_proposer(NgramProposer(1, 3))
     for i, p in enumerate(prompts):
         sid, table = 100 + i, drv._table(len(p) + steps + 4, [])
         rows = [RowInput(sid, np.asarray(p, np.int32), 0, table, True, drv.params, len(p), 0)]
@@ -242,8 +243,7 @@ _LORA_RANK = """
 import json, sys
 from agent.lora import read_adapter
 from agent.tensor_parallel import Group
-from tests.agent.test_families import forced_logits
-from tests.agent.test_lora import ADAPTERS, LORA, golden, lora_runner
+from tests.agent.goldens import ADAPTERS, LORA, forced_logits, lora_golden as golden, lora_runner
 
 rank, size, link, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 group = Group.from_link(link, rank, size, 64, 272, 512, 16)
@@ -264,7 +264,7 @@ def test_two_ranks_serve_lora_adapters_split_as_their_projections(tmp_path):
     columns beside o and down (partial sums the all-reduce adds): the base and both adapters,
     packed in the same steps and one written into a slot after start, each give PEFT's logits
     (tests/agent/test_lora.py's goldens) on every rank."""
-    from tests.agent.test_lora import ADAPTERS, golden
+    from tests.agent.goldens import ADAPTERS, lora_golden as golden
 
     ranks = run_group(2, tmp_path, model=str(ROOT / "tests" / "fixtures" / "families" / "llama-tf5"),
                       script=_LORA_RANK)

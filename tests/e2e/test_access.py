@@ -218,7 +218,7 @@ def test_curve_agents_serve_their_server_and_ignore_anyone_else(tmp_path, tiny_m
     """Agents on tcp (127.0.0.2) with CURVE keys: the server holding the listed key serves; a client
     with no key, or with a key the agent does not list, gets no reply to `r`, and the attached server
     goes on untouched."""
-    from tests.agent.test_agent_lifecycle import Launcher
+    from tests.helpers import Launcher
     from tools.curve_keys import make
 
     keys = tmp_path / "keys"
@@ -283,7 +283,7 @@ def test_agent_addresses_from_the_orchestrator(tmp_path, tiny_model_dir):
 
     from shm.endpoint import lws_agents, parse_agents
     from tests.helpers import ROOT, free_port
-    from tests.agent.test_agent_lifecycle import Launcher
+    from tests.helpers import Launcher
 
     assert lws_agents({"LWS_LEADER_ADDRESS": "llm-0.llm.default", "LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": "0"},
                       61166) == [("llm-0-1.llm.default", 61166), ("llm-0-2.llm.default", 61166)]

@@ -10,7 +10,8 @@ import shutil
 import httpx
 import pytest
 
-from tests.e2e.test_structured_output import SCHEMA, _valid
+from tests.e2e.clients import metric
+from tests.e2e.payloads import SCHEMA, valid
 from tests.helpers import ServerProcess, tiny_config
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
@@ -61,11 +62,6 @@ def _send(page, text: str, **settings: str) -> None:
     page.press("#prompt", "Enter")
 
 
-def _metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name))
-
-
 def test_the_page_loads_without_a_failed_request(browser, server):
     page = browser.new_page(bypass_csp=True)
     failed: list[str] = []
@@ -99,7 +95,7 @@ def test_a_reply_streams_in_and_equals_the_api_s(browser, server):
 
 def test_stop_mid_answer_cancels_it_on_the_server(browser, server):
     page = _open(browser, server)
-    before = _metric(server, CANCELLED)
+    before = metric(server.url, CANCELLED)
     _send(page, "tell me everything", temperature="0", max_tokens="950")
     # text has arrived while the answer still runs (the stop button is live): streamed, not all at the end
     page.wait_for_function("document.querySelector('.msg.assistant').textContent.length > 0 && "
@@ -117,7 +113,7 @@ def test_new_chat_mid_answer_cancels_it_and_forgets_it(browser, server):
     page = _open(browser, server)
     bodies: list[dict] = []
     page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions") else None)
-    before = _metric(server, CANCELLED)
+    before = metric(server.url, CANCELLED)
     _send(page, "tell me everything", temperature="0", max_tokens="950")
     page.wait_for_function("document.querySelector('.msg.assistant').textContent.length > 0 && "
                            "!document.getElementById('stop').disabled")
@@ -140,5 +136,5 @@ def test_json_mode_gives_a_reply_that_parses(browser, server):
     page.fill("#schema", json.dumps(SCHEMA))
     _send(page, "a colour please", max_tokens="300")
     sync_api.expect(page.locator(".stats")).to_contain_text("TTFT")
-    assert _valid(json.loads(page.locator(".msg.assistant").inner_text()))
+    assert valid(json.loads(page.locator(".msg.assistant").inner_text()))
     page.close()

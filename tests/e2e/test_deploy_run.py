@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.test_deploy import DEPLOY, render
+from tests.e2e.manifests import DEPLOY, render
 from tests.helpers import ROOT, free_port
 
 READY_S = 300  # a bound for a failing start, not a wait: the test goes on when the server says ready

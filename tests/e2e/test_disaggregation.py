@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shm.endpoint import holder
-from tests.e2e.test_supervision import _metric, _wait_generating
+from tests.e2e.clients import metric, wait_generating
 from tests.helpers import ServerProcess, tiny_config
 
 SIZES = dict(decode_seq_length=256, max_generate_length=256, num_blocks=200)
@@ -91,11 +91,11 @@ def pd(tmp_path_factory, tiny_model_dir):
 
 
 def test_disaggregated_texts_equal_agents_serving_both(pd, undisturbed):
-    before = _metric(pd.url, "llm_serving_kv_handovers_total")
+    before = metric(pd.url, "llm_serving_kv_handovers_total")
     assert _all_at_once(pd.url) == undisturbed
     # each request once, and again after each preemption on the decode agent
-    assert _metric(pd.url, "llm_serving_kv_handovers_total") - before >= len(undisturbed)
-    assert _metric(pd.url, "llm_serving_kv_handover_bytes_total") > 0
+    assert metric(pd.url, "llm_serving_kv_handovers_total") - before >= len(undisturbed)
+    assert metric(pd.url, "llm_serving_kv_handover_bytes_total") > 0
     stats = pd.stats_until(lambda s: s["running"] == 0 and s["waiting"] == 0)
     assert stats["kv_usage"][1] == 0.0  # the decode agent's blocks all freed (the prefill agent's stay cached)
 
@@ -104,12 +104,12 @@ def test_disaggregated_texts_equal_agents_serving_both(pd, undisturbed):
 def test_a_killed_agent_of_either_role_loses_no_request(pd, undisturbed, role):
     port = pd.config["serving_config"]["agent_ports"][["prefill", "decode"].index(role)]
     pid = holder(port)
-    restarts = _metric(pd.url, "llm_serving_agent_restarts_total")
-    before = _metric(pd.url, "llm_serving_generation_tokens_total")
+    restarts = metric(pd.url, "llm_serving_agent_restarts_total")
+    before = metric(pd.url, "llm_serving_generation_tokens_total")
     out: dict[str, Answer] = {}
     runner = threading.Thread(target=lambda: out.update(_all_at_once(pd.url)))
     runner.start()
-    _wait_generating(pd.url, before)  # decodes under way, later prompts still coming
+    wait_generating(pd.url, before)  # decodes under way, later prompts still coming
     os.kill(pid, signal.SIGKILL)
     runner.join(300)
     assert out == undisturbed  # recomputed from the tokens so far: the same greedy text
@@ -117,7 +117,7 @@ def test_a_killed_agent_of_either_role_loses_no_request(pd, undisturbed, role):
     while holder(port) in (None, pid) or httpx.get(f"{pd.url}/health", timeout=5).json()["status"] != "ok":
         assert time.monotonic() < deadline, "the killed agent did not come back"
         time.sleep(0.1)
-    assert _metric(pd.url, "llm_serving_agent_restarts_total") == restarts + 1
+    assert metric(pd.url, "llm_serving_agent_restarts_total") == restarts + 1
 
 
 def test_an_agent_no_other_could_replace_is_not_drained(pd):
@@ -153,7 +153,7 @@ def test_a_drain_moves_running_streams_with_their_kv(dp, undisturbed):
         assert len(answers) == 2 and answers[0] == answers[1], answers
         assert answers[0]["moved"] > 0 and answers[0]["draining"] and "note" not in answers[0], answers
         assert out == undisturbed
-        assert _metric(srv.url, "llm_serving_kv_tokens_discarded_total") == 0
+        assert metric(srv.url, "llm_serving_kv_tokens_discarded_total") == 0
         assert httpx.get(f"{srv.url}/stats", timeout=10).json()["kv_usage"][0] == 0.0  # it holds nothing
         assert _all_at_once(srv.url) == undisturbed  # served by agent 1 alone now
         _a_resume_ends_a_drain_under_way(srv, port)

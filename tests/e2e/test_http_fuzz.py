@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.helpers import ServerProcess, tiny_config
-from tests.e2e.test_server_e2e import stream_tgi
+from tests.e2e.clients import stream_tgi
 
 # Floats near float32's limits (the sampler's dtype): 0 or inf there though finite and non-zero in
 # float64 (1e-300, 3.5e38), its smallest subnormal and normal, its largest, and values that round to 1.

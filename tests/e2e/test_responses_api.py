@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.e2e.test_structured_output import TOOLS
+from tests.e2e.payloads import TOOLS
 from tests.helpers import ServerProcess, tiny_config
 
 WEATHER = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's flat function tool

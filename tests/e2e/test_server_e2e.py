@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
+from tests.e2e.clients import original_generate, server_idle, stream_tgi
 from tests.helpers import ServerProcess, tiny_config
 
 PROMPTS = ["hello world", "The quick brown fox", "a", "MindSpore serving test prompt"]
@@ -31,14 +32,6 @@ def server(tmp_path_factory, tiny_model_dir):
     srv.stop()
 
 
-def original_generate(url: str, prompt: str, new: int = NEW, **params) -> dict:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": new, "do_sample": "False", "ignore_eos": "True",
-                                             **params}}
-    r = httpx.post(f"{url}/models/tiny/generate", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def stream_original(url: str, prompt: str) -> str:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW, "do_sample": "False", "ignore_eos": "True"},
             "stream": "True"}
@@ -48,20 +41,6 @@ def stream_original(url: str, prompt: str) -> str:
     # with the whole generated text follows the token lines
     text = "".join(item["generated_text"] for item in items[:-1])
     assert items[-1]["finish_reason"] == "length" and items[-1]["generated_text"] == text
-    return text
-
-
-def stream_tgi(url: str, prompt: str) -> str:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW, "ignore_eos": True}}
-    text, final = "", None
-    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=120) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                ev = json.loads(line[5:])
-                text += ev["token"]["text"]
-                final = ev["generated_text"] or final
-    assert final == text
     return text
 
 
@@ -285,16 +264,6 @@ def test_bad_input_gets_4xx_json(server, path, body, raw):
     assert (err["message"] if isinstance(err, dict) else err)
 
 
-def _server_idle(url: str, timeout_s: float = 20) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = httpx.get(f"{url}/stats", timeout=10).json()
-        if info["running"] == 0 and info["waiting"] == 0 and info["kv_usage"] == [0.0]:
-            return info
-        time.sleep(0.2)
-    raise AssertionError(f"server not idle: {info}")
-
-
 def test_client_disconnect_cancels_and_frees_blocks(server):
     """The client leaves while its request runs: the agent is paused first, so the request is
     running (blocks held, its first step in flight) when the stream closes, however slow the machine."""
@@ -306,7 +275,7 @@ def test_client_disconnect_cancels_and_frees_blocks(server):
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             info = server.stats_until(lambda s: s["running"] == 1)
             assert info["kv_usage"][0] > 0
-    _server_idle(server.url)
+    server_idle(server.url)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'llm_serving_requests_finished_total{reason="cancelled"} 1.0' in metrics
 

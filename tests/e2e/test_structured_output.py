@@ -13,17 +13,9 @@ import openai
 import pydantic
 import pytest
 
+from tests.e2e.payloads import SCHEMA, TOOLS, valid
 from tests.helpers import ServerProcess, tiny_config
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "ok", "n"],
-          "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-                         "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-          "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                         "properties": {"city": {"enum": ["Paris", "Lima"]}, "unit": {"enum": ["c", "f"]}}}}},
-         {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "additionalProperties": False, "required": ["a", "b"],
-             "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}}}}}]
 PROMPTS = ["hello", "the weather please", "x y z", "what now"]
 
 
@@ -49,14 +41,9 @@ def _client(srv: ServerProcess) -> openai.OpenAI:
 
 def _parses(text: str) -> bool:
     try:
-        return _valid(json.loads(text))
+        return valid(json.loads(text))
     except ValueError:
         return False
-
-
-def _valid(obj: dict) -> bool:
-    return (set(obj) == {"colour", "ok", "n"} and obj["colour"] in ("red", "green", "blue")
-            and isinstance(obj["ok"], bool) and isinstance(obj["n"], int) and 0 <= obj["n"] <= 999)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -66,7 +53,7 @@ def test_json_schema_holds_on_a_random_model(server, temperature):
         r = c.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": p}], response_format=Answer,
                                      max_tokens=300, temperature=temperature, seed=7)
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
-        assert _valid(r.choices[0].message.parsed.model_dump())
+        assert valid(r.choices[0].message.parsed.model_dump())
 
 
 def test_json_object_and_tgi_regex_and_json(server):
@@ -82,7 +69,7 @@ def test_json_object_and_tgi_regex_and_json(server):
         assert re.fullmatch("[0-9]{3}-[a-c]{2}", out["generated_text"]), out
         body["parameters"].update(grammar={"type": "json", "value": SCHEMA}, max_new_tokens=300, do_sample=True, seed=3)
         out = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
-        assert _valid(json.loads(out["generated_text"])), out
+        assert valid(json.loads(out["generated_text"])), out
 
 
 def test_required_tool_calls_parse_and_stream_the_same(server):

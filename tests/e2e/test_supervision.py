@@ -12,37 +12,10 @@ import httpx
 
 from shm.arena import our_segments
 from tests.helpers import ServerProcess, tiny_config
-from tests.e2e.test_server_e2e import _server_idle, original_generate
+from tests.e2e.clients import GENERATED, concurrent, metric, original_generate, server_idle, wait_generating
 
 PROMPTS = [f"prompt number {i}" for i in range(4)]
 NEW = 60
-
-
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
-def _concurrent(url: str, prompts: list[str], new: int) -> dict[str, str]:
-    out: dict[str, str] = {}
-    threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, original_generate(url, p, new=new)["generated_text"]))
-               for p in prompts]
-    for t in threads:
-        t.start()
-    return out, threads
-
-
-GENERATED = "llm_serving_generation_tokens_total"
-
-
-def _wait_generating(url: str, before: float, timeout: float = 300) -> None:
-    """Until the server has generated a token past `before` (GENERATED read before the requests
-    were sent): they are mid-stream. An event, where a fixed sleep was early on a loaded machine
-    and late on a fast one."""
-    deadline = time.monotonic() + timeout
-    while _metric(url, GENERATED) == before:
-        assert time.monotonic() < deadline, "no token generated"
-        time.sleep(0.02)
 
 
 def _disturbed_run_matches_undisturbed(srv: ServerProcess, disturb) -> list[str]:
@@ -50,9 +23,9 @@ def _disturbed_run_matches_undisturbed(srv: ServerProcess, disturb) -> list[str]
     Returns the /health statuses seen until the server is ok again."""
     single = {p: original_generate(srv.url, p, new=NEW)["generated_text"] for p in PROMPTS}
     [pid] = srv.agent_pids()
-    before = _metric(srv.url, GENERATED)
-    out, threads = _concurrent(srv.url, PROMPTS, NEW)
-    _wait_generating(srv.url, before)  # mid-stream
+    before = metric(srv.url, GENERATED)
+    out, threads = concurrent(srv.url, PROMPTS, NEW)
+    wait_generating(srv.url, before)  # mid-stream
     disturb(pid)
     seen = []
     deadline = time.monotonic() + 120
@@ -66,7 +39,7 @@ def _disturbed_run_matches_undisturbed(srv: ServerProcess, disturb) -> list[str]
         t.join(120)
     assert out == single  # recomputed on the restarted agent from the tokens generated so far
     assert srv.agent_pids() != [pid]
-    assert _metric(srv.url, "llm_serving_agent_restarts_total") == 1
+    assert metric(srv.url, "llm_serving_agent_restarts_total") == 1
     return seen
 
 
@@ -97,7 +70,7 @@ def test_idle_remote_agent_outlives_its_idle_limit(tmp_path, tiny_model_dir):
         pids = srv.agent_pids()
         time.sleep(5)
         assert original_generate(srv.url, "idle test", new=8)["generated_text"] == first
-        assert srv.agent_pids() == pids and _metric(srv.url, "llm_serving_agent_restarts_total") == 0
+        assert srv.agent_pids() == pids and metric(srv.url, "llm_serving_agent_restarts_total") == 0
     finally:
         srv.stop()
 
@@ -131,7 +104,7 @@ def test_cancels_during_an_agent_restart_leak_nothing(tmp_path, tiny_model_dir):
         for t in threads:
             t.join(150)
         assert len(ended) == 50 and not any(t.is_alive() for t in threads)
-        info = _server_idle(srv.url, timeout_s=60)  # no running or waiting request, no KV block in use
+        info = server_idle(srv.url, timeout_s=60)  # no running or waiting request, no KV block in use
         assert info["agents_alive"] == 1
         agents = srv.agent_pids()
     finally:
@@ -150,7 +123,7 @@ def test_an_agent_over_its_memory_plan_degrades_health_and_keeps_serving(tmp_pat
         health = httpx.get(f"{srv.url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert "agent 0 holds" in health.json()["reason"] and "memory_margin" in health.json()["reason"]
-        rss, planned = (_metric(srv.url, f"llm_serving_agent_{k}_bytes") for k in ("resident", "planned"))
+        rss, planned = (metric(srv.url, f"llm_serving_agent_{k}_bytes") for k in ("resident", "planned"))
         assert rss > planned > 0
         assert original_generate(srv.url, PROMPTS[1], new=4)["generated_text"]
         assert srv.log.read_text().count("/health says degraded") == 1

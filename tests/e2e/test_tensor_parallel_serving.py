@@ -13,8 +13,7 @@ import yaml
 
 from shm.arena import our_segments
 from tests.conftest import tiny_model_config
-from tests.e2e.test_server_e2e import original_generate
-from tests.e2e.test_supervision import GENERATED, _concurrent, _metric, _wait_generating
+from tests.e2e.clients import GENERATED, concurrent, metric, original_generate, wait_generating
 from tests.helpers import ServerProcess, tiny_config
 from tests.reference import reference_logits
 
@@ -49,9 +48,9 @@ def test_two_ranks_serve_the_reference_s_text_and_a_sigkill_of_rank_1_restarts_t
         single = {p: original_generate(srv.url, p, new=60)["generated_text"] for p in PROMPTS}
         pids = srv.agent_pids()
         assert len(pids) == 2
-        before = _metric(srv.url, GENERATED)
-        out, threads = _concurrent(srv.url, PROMPTS, 60)
-        _wait_generating(srv.url, before)  # mid-stream
+        before = metric(srv.url, GENERATED)
+        out, threads = concurrent(srv.url, PROMPTS, 60)
+        wait_generating(srv.url, before)  # mid-stream
         rank1 = sorted(pids)[1]  # spawned second
         # Stopped first, so rank 0 waits in a collective with both steps in flight (its reply never
         # comes), then killed: the group's poll must see rank 1 die, not wait out the step timeout.
@@ -72,7 +71,7 @@ def test_two_ranks_serve_the_reference_s_text_and_a_sigkill_of_rank_1_restarts_t
             t.join(180)
         assert out == single  # recomputed on the restarted group
         assert not set(srv.agent_pids()) & set(pids)  # both ranks are new
-        assert _metric(srv.url, "llm_serving_agent_restarts_total") == 1
+        assert metric(srv.url, "llm_serving_agent_restarts_total") == 1
     finally:
         srv.stop()
     assert not [s for s in our_segments() if f"-{srv.proc.pid}-" in s]  # arenas and collective segments
@@ -81,7 +80,10 @@ def test_two_ranks_serve_the_reference_s_text_and_a_sigkill_of_rank_1_restarts_t
 def test_four_agents_at_size_two_are_two_replicas(tmp_path, tiny_model_dir):
     srv = ServerProcess(tiny_config(tmp_path, tiny_model_dir, n_agents=4, tensor_parallel_size=2))
     try:
-        out, threads = _concurrent(srv.url, [f"replica load {i}" for i in range(8)], 30)
+        # Prompts that share no first block: prefix routing (the default) has nothing to follow, and
+        # sends each to the least loaded replica whenever it arrives.
+        words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+        out, threads = concurrent(srv.url, [f"{w} replica load" for w in words], 30)
         for t in threads:
             t.join(180)
         assert len(out) == 8
@@ -96,7 +98,7 @@ def test_four_agents_at_size_two_are_two_replicas(tmp_path, tiny_model_dir):
 def test_a_launched_group_serves_attached_servers_and_the_agent_client(tmp_path, tiny_model_dir):
     """launch_agents starts the group once; the socket-level client drives it as one model, a
     server attaches to it with the same tokens, and a server expecting single agents is refused."""
-    from tests.agent.test_agent_lifecycle import Launcher, _run
+    from tests.helpers import Launcher, run_python
 
     runtime = tmp_path / "run"
     runtime.mkdir()
@@ -104,7 +106,7 @@ def test_a_launched_group_serves_attached_servers_and_the_agent_client(tmp_path,
     config = tiny_config(tmp_path, tiny_model_dir, n_agents=2, tensor_parallel_size=2)
     launcher = Launcher(config, env)
     try:
-        got = _run("tools/agent_client.py", "--config", str(config), "--prompt", PROMPTS[1], "--max-tokens", "8",
+        got = run_python("tools/agent_client.py", "--config", str(config), "--prompt", PROMPTS[1], "--max-tokens", "8",
                    "--ignore-eos", "--json", env=env)
         assert got.returncode == 0, got.stderr
         srv = ServerProcess(config, "--attach", env=env)
@@ -118,7 +120,7 @@ def test_a_launched_group_serves_attached_servers_and_the_agent_client(tmp_path,
         doc = yaml.safe_load(config.read_text())
         doc["serving_config"]["tensor_parallel_size"] = 1
         single.write_text(yaml.safe_dump(doc))
-        refused = _run("-m", "llm_serving.serve", "--config", str(single), "--attach", env=env, timeout=120)
+        refused = run_python("-m", "llm_serving.serve", "--config", str(single), "--attach", env=env, timeout=120)
         assert refused.returncode == 1 and "tensor-parallel rank 0 of 2, not rank 0 of 1" in refused.stdout + refused.stderr
     finally:
         launcher.proc.send_signal(signal.SIGTERM)

@@ -1,7 +1,7 @@
 """The KV block manager: prefix cache, LRU eviction, SHA-256 prefix keys verified against the tokens."""
 from __future__ import annotations
 
-from server.block_manager import BlockManager
+from server.sched.block_manager import BlockManager
 
 
 def test_block_manager_prefix_cache_and_lru_eviction():

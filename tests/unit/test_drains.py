@@ -15,7 +15,7 @@ from server.engine.messages import Drain
 
 
 def _lane(index: int) -> SimpleNamespace:
-    sched = SimpleNamespace(draining=False, load=0, moved=0, role="both", evicted=lambda: [])
+    sched = SimpleNamespace(moves=SimpleNamespace(draining=False, moved=0), load=0, role="both", evicted=lambda: [])
     lane = SimpleNamespace(index=index, state=LaneState.LIVE, why="", sched=sched, busy=False)
     lane.live = True
     return lane
@@ -40,7 +40,7 @@ def test_two_drains_of_one_agent_share_one_answer():
     first, second = _ask(drains, 7001), _ask(drains, 7001)
     drains.check()
     assert not first.done() and not second.done()
-    lanes[0].sched.load, lanes[0].sched.moved = 0, 3
+    lanes[0].sched.load, lanes[0].sched.moves.moved = 0, 3
     drains.check()
     assert first.result(0) == second.result(0) == {"port": 7001, "draining": True, "state": "live", "moved": 3}
 

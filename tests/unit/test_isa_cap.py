@@ -22,7 +22,18 @@ def test_each_level_keeps_the_flags_of_its_kind_and_the_int8_recipe_follows(cap,
     assert int8_group("auto", capped(SPR, cap)) == group
 
 
-def test_the_cap_reaches_every_reader(monkeypatch):
+@pytest.fixture
+def no_cap_left():
+    """Torn down after the test's monkeypatch (requested before it): oneDNN's cap is what it was. One
+    left set would cap the oneDNN of every agent a later test in this worker starts, under uncapped flags."""
+    import os
+
+    before = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    yield
+    assert os.environ.get("ONEDNN_MAX_CPU_ISA") == before
+
+
+def test_the_cap_reaches_every_reader(no_cap_left, monkeypatch):
     # set, then deleted: monkeypatch records the value it had (none) and restores it after the test.
     # A bare delenv of an unset variable records nothing, and apply_isa_cap's "AVX2" then outlived
     # the test: agents a later test in this worker started ran oneDNN capped under uncapped flags.
@@ -40,13 +51,6 @@ def test_the_cap_reaches_every_reader(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # one the user set is kept
     apply_isa_cap()
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
-
-
-def test_no_onednn_cap_outlives_the_test_above():
-    """Runs after it in this file (the suite's workers take whole files): nothing it set is left."""
-    import os
-
-    assert "ONEDNN_MAX_CPU_ISA" not in os.environ or os.environ.get(ISA_ENV)
 
 
 def test_amx_is_no_cap_at_all(monkeypatch):

@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from common.config import ServingConfig
-from server.block_manager import BlockManager
+from server.sched.block_manager import BlockManager
 from server.engine.metrics import Metrics
 from server.engine.routing import ROUTERS, SLACK
 from server.sampling_params import LoraRef, SamplingParams
-from server.sequence import Sequence
+from server.sched.sequence import Sequence
 
 BS = 4
 

@@ -7,8 +7,8 @@ import pytest
 from common.config import ServingConfig
 from tests.helpers import results
 from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler
-from server.sequence import Sequence
+from server.sched.scheduler import Scheduler
+from server.sched.sequence import Sequence
 
 
 def _cfg(**kw) -> ServingConfig:
@@ -164,8 +164,8 @@ def test_write_step_lays_out_rows_and_slots():
 
 
 def test_prefill_batch_window_holds_an_idle_lane_briefly():
-    from server.scheduler import Scheduler
-    from server.sequence import Sequence
+    from server.sched.scheduler import Scheduler
+    from server.sched.sequence import Sequence
 
     cfg = ServingConfig(prefill_batch_waiting_time=0.05, max_prefill_rows=2)
     s = Scheduler(cfg)

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from common.config import ServingConfig
 from tests.helpers import results
 from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler
-from server.sequence import Sequence
-from server.step_plan import RowResult
+from server.sched.scheduler import Scheduler
+from server.sched.sequence import Sequence
+from server.sched.step_plan import RowResult
 
 
 def drive(s: Scheduler, requests: list[tuple[int, Sequence, int | None]], max_steps: int) -> int:

@@ -3,10 +3,10 @@ with their KV through hand-over slots, a decode agent takes them in and never ru
 from __future__ import annotations
 
 from common.config import ServingConfig
-from server.kv_handover import HandoverSlots
+from server.sched.handover import HandoverSlots
 from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler
-from server.sequence import Sequence
+from server.sched.scheduler import Scheduler
+from server.sched.sequence import Sequence
 from tests.helpers import results
 
 
@@ -32,12 +32,12 @@ def test_a_prefill_agent_exports_a_finished_prompt_and_never_decodes_it():
     plan = s.schedule()
     assert [(p.n_tokens, p.sample, p.export) for p in plan.rows] == [(2, True, True)]
     assert len(a.handover) == 3 and slots.num_free == 5  # its 10 tokens' 3 blocks
-    assert s.exporting == [a] and s.running == []
+    assert s.moves.exporting == [a] and s.running == []
     assert not s.schedule()  # nothing to decode here, even with the overlap
     s.update(plan, results([42]))
     table = list(a.table)
     s.handed(a)
-    assert a.output == [42] and a.table == [] and s.exporting == [] and s.freed == [a.seq_id]
+    assert a.output == [42] and a.table == [] and s.moves.exporting == [] and s.freed == [a.seq_id]
     assert s.blocks.num_free == 8 and all(s.blocks.refs[b] == 0 for b in table)  # released (still cached)
 
 
@@ -56,13 +56,13 @@ def test_a_decode_agent_imports_in_order_and_never_admits_a_prompt():
     for n in (10, 30):
         seq = Sequence(list(range(n)), SamplingParams(), 0.0, output=[7])
         seq.computed, seq.handover = n, slots.take(-(-n // 4))
-        d.incoming.append(seq)
+        d.moves.incoming.append(seq)
         moved.append(seq)
     plan = d.schedule()
     # the first joins with its first decode; the second's 31 tokens need 8 blocks, 5 are left
     assert [(p.seq, p.n_tokens, p.sample, p.feed, p.imported, p.admitted) for p in plan.rows] == [
         (moved[0], 1, True, False, True, True)]
-    assert d.running == [moved[0]] and d.incoming == [moved[1]] and len(d.waiting) == 1
+    assert d.running == [moved[0]] and d.moves.incoming == [moved[1]] and len(d.waiting) == 1
     d.remove(moved[1])  # ended while it waited: its slots are free again
     assert moved[1].handover == [] and slots.num_free == 16 - 3
 
@@ -71,7 +71,7 @@ def test_a_decode_agent_gives_back_what_it_preempted():
     d = Scheduler(_cfg(), role="decode", handover=HandoverSlots(8))
     seq = Sequence(list(range(10)), SamplingParams(), 0.0, output=[7])
     seq.computed = 10
-    d.incoming.append(seq)
+    d.moves.incoming.append(seq)
     d.update(d.schedule(), results([8]))
     d._preempt(seq)
     assert d.evicted() == [seq] and d.waiting == [] and seq.seq_id in d.freed and seq.computed == 0

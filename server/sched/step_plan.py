@@ -1,5 +1,6 @@
-"""A step's plan as the scheduler builds it: its rows (`Planned`), the step (`StepPlan`) and the
-builder that holds its token budget while the scheduler fills it (`StepBuilder`)."""
+"""A step's plan as the scheduler builds it: its rows (`Planned`), the step (`StepPlan`), the
+builder that holds its token budget while the scheduler fills it (`StepBuilder`), and what its
+reply changes (`record_reply`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +8,10 @@ from typing import TYPE_CHECKING
 
 from common.config import ServingConfig
 
-if TYPE_CHECKING:  # server.scheduler imports this module
-    from server.sequence import Sequence
+if TYPE_CHECKING:  # server.sched.scheduler imports this module
+    from server.sched.block_manager import BlockManager
+    from server.sched.sequence import Sequence
+    from server.sched.speculative import SpecPolicy
 
 # A step pads to its token bucket, and padding costs as much as tokens, while a step's fixed cost is
 # worth a few dozen tokens (docs/perf-notes.md). So a step just past a bucket gives its last chunk's
@@ -50,7 +53,7 @@ class StepPlan:
     freed: list[int] = field(default_factory=list)
     preempted: int = 0
     running: int = 0  # sequences running when it was planned (speculation's batch-size class)
-    drafting: bool = False  # planned in speculation's drafting mode (server/speculation.py)
+    drafting: bool = False  # planned in speculation's drafting mode (server/sched/speculative.py)
     moves: list[Sequence] = field(default_factory=list)  # leave with their KV after it (a drain): exports without rows
     discarded: int = 0  # KV tokens planning it threw away (preemption)
 
@@ -136,3 +139,63 @@ def commit(rows: list[Planned]) -> None:
         seq.computed += p.n_tokens
         seq.pending += p.sample
         seq.agent_has_next = p.sample
+
+
+def record_reply(plan: StepPlan, results: list[RowResult], blocks: BlockManager, spec: SpecPolicy | None) -> None:
+    """A step's reply: its samples are no longer pending, a drafting row's rejected drafts leave
+    the cache (`computed`), each row's tokens are appended, and the full blocks it computed are
+    published for prefix reuse."""
+    for p, res in zip(plan.rows, results, strict=True):
+        seq = p.seq
+        seq.pending -= p.sample
+        rejected = p.spec - res.accepted
+        if p.spec and p.epoch == seq.preemptions:
+            seq.computed -= rejected  # their K/V are overwritten by the next tokens there
+            if spec is not None and seq.spec is not None:
+                spec.observe(seq.spec, res.drafted, res.accepted)
+        seq.output.extend(res.tokens)
+        if p.epoch == seq.preemptions and seq.table:
+            blocks.register_full(seq.table, seq.tokens, p.start + p.n_tokens - rejected, seq.block_hashes,
+                                 seq.params.adapter_key)
+
+
+def order_key(seq: Sequence, policy: str) -> tuple:
+    """Waiting sequences' order: preempted ones first, then by the policy."""
+    if policy == "sjf":  # shortest max_new_tokens first (contest write-ups)
+        return (-seq.preemptions, seq.params.max_new_tokens, seq.arrival)
+    if policy == "priority":
+        return (-seq.preemptions, seq.params.priority, seq.arrival)
+    return (-seq.preemptions, seq.arrival)
+
+
+def plan_admissions(step: StepBuilder, waiting: list[Sequence], running: list[Sequence], blocks: BlockManager,
+                    cfg: ServingConfig) -> None:
+    """New prompts, in policy order, while blocks last. A preempted sequence whose sampled token is
+    still in flight waits for it: recomputing without it would sample that token a second time."""
+    waiting.sort(key=lambda seq: order_key(seq, cfg.schedule_policy))
+    for seq in [seq for seq in waiting if not seq.pending]:
+        if not step.open or len(running) >= cfg.max_running:
+            break
+        if not seq.table and not seq.scoring:
+            seq.table = blocks.match_prefix(seq.tokens, seq.params.adapter_key)
+            seq.computed = len(seq.table) * cfg.block_size
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.computed
+        n = step.chunk(seq)
+        if n <= 0 or not blocks.grow(seq.table, seq.computed + n):
+            blocks.release(seq.table)
+            seq.computed = 0
+            break
+        waiting.remove(seq)
+        running.append(seq)
+        step.add_chunk(seq, n, admitted=True)
+
+
+def batch_hold(cfg: ServingConfig, running: list[Sequence], waiting: list[Sequence], now: float) -> float:
+    """Seconds to hold the first prefill of an idle lane for companions (the original's
+    `prefill_batch_waiting_time`): only while nothing runs and fewer than prefill_batch_size
+    prompts wait, and never past the window from the oldest arrival. 0: schedule now."""
+    window = cfg.prefill_batch_waiting_time
+    if window <= 0 or running or not waiting or len(waiting) >= cfg.max_prefill_rows:
+        return 0.0
+    return max(0.0, min(s.arrival for s in waiting) + window - now)

@@ -1,4 +1,4 @@
-"""KV hand-over between agents (agent/kv_handover.py): a prompt's blocks computed by one runner, copied
+"""KV hand-over between agents (agent/handover.py): a prompt's blocks computed by one runner, copied
 out into hand-over slots and into other blocks of another runner, decode there exactly as where
 they were computed, for every cache layout (stack op, plain MindSpore, int8 KV) and across layouts."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.kv_handover import KvPages
+from agent.handover import KvPages
 from server.sampling_params import SamplingParams
 from shm.arena import Arena, ArenaSpec
 from shm.step import RowInput
-from tests.agent.test_model_runner import LOGIT_TOL, make_runner
+from tests.agent.drivers import LOGIT_TOL, make_runner
 from tests.conftest import tiny_model_config
 from tests.reference import reference_logits
 

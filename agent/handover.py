@@ -25,7 +25,7 @@ class KvPages:
     def __init__(self, model: Any, block_size: int):
         self.bs = block_size
         self.stacked = model.one_op_stack  # [L, slots, kv, row]; else per layer [slots, kv, row] or plain [kv, slots, row]
-        self.head_major = type(model.attn).__name__ == "PlainAttention"
+        self.head_major = model.attn.head_major
         if self.stacked:
             self.k, self.v = [model.k_cache.asnumpy()], [model.v_cache.asnumpy()]
         else:

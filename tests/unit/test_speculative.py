@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from common.config import ServingConfig
 from server.sampling_params import SamplingParams
-from server.scheduler import Scheduler
-from server.sequence import Sequence
-from server.speculation import MAX_SKIP, SpecPolicy, SpecState
-from server.step_plan import RowResult
+from server.sched.scheduler import Scheduler
+from server.sched.sequence import Sequence
+from server.sched.speculative import MAX_SKIP, SpecPolicy, SpecState
+from server.sched.step_plan import RowResult
 
 
 def _sched(num_blocks: int = 40, **kw) -> Scheduler:
@@ -88,7 +88,7 @@ def test_k_follows_what_the_verifications_kept():
 
 
 def test_drafts_run_where_they_measured_faster_and_both_modes_are_measured_again():
-    from server.speculation import RUN, TRIAL
+    from server.sched.speculative import RUN, TRIAL
     policy = SpecPolicy(ServingConfig(spec_method="ngram"))
 
     def steps(n: int, on_rate: float, off_rate: float) -> list[bool]:

@@ -2,15 +2,24 @@
 tokens) that occurred earlier in its prompt or output proposes the tokens that followed it there."""
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 import numpy as np
 
+from agent.runner_config import RunnerConfig
+from common.config import ServingConfig
 from shm.step import StepInputs
 
 
-class NgramProposer:
-    method = "ngram"
+def from_config(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, tokenizer: Any) -> "NgramProposer":
+    """The `ngram` row's proposer (common/speculative.py)."""
+    return NgramProposer(cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_method)
 
-    def __init__(self, min_n: int, max_n: int):
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int, method: str = ""):
+        """`method`: its registry row's name (common/speculative.py), which the agent reports at attach."""
+        self.method = method
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt_lookup_min {min_n} and prompt_lookup_max {max_n}: need 1 <= min <= max")
         self.min_n, self.max_n = min_n, max_n
@@ -20,10 +29,16 @@ class NgramProposer:
         """Drafts for step rows `rows` (each with x.spec_len[r] slots) from their histories."""
         return [self.propose(h, int(x.spec_len[r])) for r, h in zip(rows, histories)]
 
-    def forget(self, seqs: list[int]) -> None:  # nothing is kept between steps
+    def forget(self, seqs: Iterable[int]) -> None:  # nothing is kept between steps
         pass
 
     def reset(self) -> None:
+        pass
+
+    def graph_compiles(self) -> int:
+        return 0
+
+    def warmup(self) -> None:
         pass
 
     def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:

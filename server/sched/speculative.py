@@ -14,12 +14,17 @@ A sequence whose drafts held asks for one more than it kept (up to num_speculati
 whose drafts were all rejected asks for none for 1, 2, 4 ... 16 decodes before it tries again, so
 text that does not repeat itself soon stops costing draft tokens. Slots the proposer leaves empty
 (no match) cost nothing (the agent drops them), only the overlap: such a sequence takes one plain
-decode before it asks again. The agent proposes and verifies (agent/spec/)."""
+decode before it asks again. The agent proposes and verifies (agent/speculative/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.config import ServingConfig
+
+if TYPE_CHECKING:
+    from server.sched.block_manager import BlockManager
+    from server.sched.step_plan import StepBuilder
 
 MAX_SKIP = 16
 TRIAL, RUN = 8, 64  # decode steps of a batch-size class measured in each mode, then run in the better one
@@ -90,3 +95,19 @@ class SpecPolicy:
             state.k, state.skip = 1, min(MAX_SKIP, 2 ** (state.misses - 1))
         else:  # none proposed (no compute spent on them): one plain decode, which may overlap
             state.skip = 1
+
+    def plan_drafts(self, step: StepBuilder, blocks: BlockManager, cfg: ServingConfig) -> None:
+        """Drafts on the step's fed decodes, oldest first, within the step's token budget, the
+        graph's LM-head rows (every draft is scored), each sequence's length limits and the free
+        blocks (a draft never preempts anyone). Nothing is planned for a drafting sequence until its
+        reply says how many drafts held (its `remaining` is below 1 meanwhile)."""
+        room = min(step.tokens, cfg.max_running - len(step.rows))
+        for p in [p for p in step.rows if p.feed and p.sample]:
+            seq = p.seq
+            want, seq.spec = self.wanted(seq.spec)
+            n_out = len(seq.output) + seq.pending
+            free = (len(seq.table) + blocks.num_free) * cfg.block_size - seq.computed - 1
+            k = min(want, room, free, seq.params.max_new_tokens - n_out - 1, cfg.max_total_tokens - seq.computed - 2)
+            if k > 0 and blocks.grow(seq.table, seq.computed + 1 + k):
+                step.add_drafts(p, k)
+                room -= k

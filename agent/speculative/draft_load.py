@@ -1,4 +1,4 @@
-"""The draft model of `self_int8` and `draft` (agent/spec/draft_model.py), loaded beside the target:
+"""The draft model of `self_int8` and `draft` (agent/speculative/draft_model.py), loaded beside the target:
 its own weights, graphs and KV cache, with the target's KV geometry and token buckets."""
 from __future__ import annotations
 
@@ -6,19 +6,18 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from agent.logits_dump import LogitsDump
 from agent.model.calibrate import CALIBRATION_TEXT
 from agent.runner_config import RunnerConfig
-from agent.spec.draft_model import DraftModelProposer
+from agent.speculative.draft_model import DraftModelProposer
 from agent.tensor_parallel import Group
 from agent.weights.load import load_model
 from common.config import ConfigError, ServingConfig
-from common.memory import ModelShape, draft_dtype, draft_files
+from common.memory import ModelShape, draft_files
 from common.model_files import ModelFiles, resolve_model
+from common.speculative import draft_method
 from common.tokenizer import load_tokenizer
 
 log = logging.getLogger("llm_serving.agent")
-DRAFT_METHODS = ("self_int8", "draft")
 
 
 def same_vocabulary(target: Any, draft: Any, vocab: int) -> str | None:
@@ -37,21 +36,19 @@ def _draft_files(cfg: ServingConfig) -> tuple[ModelFiles, ModelShape]:
 
 def draft_key(cfg: ServingConfig) -> str:
     """What the draft's graphs depend on (its shape and dtype), for the compile-cache key; "" for none."""
-    if cfg.spec_method not in DRAFT_METHODS:
-        return ""
-    return f"{cfg.spec_method}:{draft_dtype(cfg)}:{_draft_files(cfg)[1]}"
+    m = draft_method(cfg)
+    return f"{m.name}:{m.draft_dtype(cfg)}:{_draft_files(cfg)[1]}" if m is not None else ""
 
 
-def load_draft(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, target_tok: Any) -> DraftModelProposer | None:
-    """The draft proposer of speculative_config, or None for another method; ConfigError (naming why)
-    for a draft model whose vocabulary is not the target's."""
-    if cfg.spec_method not in DRAFT_METHODS or LogitsDump.from_env() is not None:
-        return None
+def load_draft(cfg: ServingConfig, rc: RunnerConfig, vocab_size: int, target_tok: Any) -> DraftModelProposer:
+    """The draft proposer of a draft-model method (common/speculative.py); ConfigError (naming why) for
+    a draft model whose vocabulary is not the target's."""
     from agent.runner import ModelRunner
 
+    m = draft_method(cfg)
     files = _draft_files(cfg)[0]
-    tok = target_tok if cfg.spec_method == "self_int8" else load_tokenizer(files, None)
-    dtype = draft_dtype(cfg)
+    tok = target_tok if m.own_weights else load_tokenizer(files, None)
+    dtype = m.draft_dtype(cfg)
     model_cfg, weights = load_model(files, cfg.max_model_len, int8=dtype == "int8")
     why = None if model_cfg.vocab_size == vocab_size else (
         f"its vocabulary has {model_cfg.vocab_size} rows, the target's {vocab_size}")

@@ -9,11 +9,12 @@ prompt the first time, else its newest token and whatever drafts the verificatio
 with the other rows into one call of the draft's static graphs, then decodes k - 1 more. One call's
 tokens are a step's whole catch-up: a long prompt catches up over several steps, drafting nothing
 until it has, so no step waits for a draft's prefill. Greedy drafts are point masses, so
-verification (agent/spec/verify.py) stays exact whatever the draft computes: a stale or wrong draft
+verification (agent/speculative/verify.py) stays exact whatever the draft computes: a stale or wrong draft
 KV only costs acceptance, never a token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class Row:
 
 
 class DraftModelProposer:
-    def __init__(self, runner, method: str):
+    def __init__(self, runner: Any, method: str):
         """`runner`: an agent.runner.ModelRunner of the draft weights whose KV pool has the target's
         num_blocks and block_size (its graphs built before ready)."""
         self.runner, self.method = runner, method
@@ -49,7 +50,13 @@ class DraftModelProposer:
         self.budget = max(b for b in rc.token_buckets if b <= (rc.mixed_tokens or rc.token_buckets[-1]))
         self.cached: dict[int, Cached] = {}
 
-    def forget(self, seqs) -> None:
+    def graph_compiles(self) -> int:
+        return len(self.runner.compiled)
+
+    def warmup(self) -> None:  # its graphs after the target's, in the same fixed order (the compile-cache key names it)
+        self.runner.warmup(freeze=False)
+
+    def forget(self, seqs: Iterable[int]) -> None:
         for s in seqs:
             self.cached.pop(int(s), None)
 

@@ -1,5 +1,5 @@
 """A sequence as the server tracks it: its tokens, how many are in the KV cache, its blocks, and what
-is in flight. The scheduler (server/scheduler.py) alone mutates one."""
+is in flight. The scheduler (server/sched/scheduler.py) alone mutates one."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.sampling_params import SamplingParams
-from server.speculation import SpecState
+from server.sched.speculative import SpecState
 from shm.step import RowOutput
 
 if TYPE_CHECKING:  # server.request imports this module
@@ -31,7 +31,7 @@ class Sequence:
     pending: int = 0  # sampled in steps in flight, not yet back
     agent_has_next: bool = False  # its last planned row sampled: the agent holds its next input token
     scores: dict[int, RowOutput] = field(default_factory=dict)  # prompt logprobs: position -> its token's score
-    spec: SpecState | None = None  # its drafting state (server/speculation.py), from its first decode
+    spec: SpecState | None = None  # its drafting state (server/sched/speculative.py), from its first decode
     handover: list[int] = field(default_factory=list)  # hand-over slots holding its KV while it moves between agents
     moved_at: float = 0.0  # when its KV last left an agent (the hand-over's time)
     cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache

@@ -13,13 +13,11 @@ import logging
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Iterable
 
 from common.config import ServingConfig
-from common.config_values import adapter_name_problem
 from server.request import Request, Status
 from server.sampling_params import LoraRef
-from shm import protocol as P
 
 log = logging.getLogger("llm_serving.engine")
 
@@ -41,19 +39,14 @@ class Load:
     done: Future | None = None
 
 
-class AdapterError(ValueError):
-    """A load or unload that cannot be done: the message says why (HTTP 400 or 404)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
 class AdapterSlots:
+    """Which adapter each slot holds, by name and key, and the requests parked for theirs; the loads and
+    swaps themselves are LoRA's turns between steps (server/engine/lora_turns.py)."""
+
     def __init__(self, cfg: ServingConfig):
         self.enabled, self.max_loras, self.base = cfg.lora_enabled, cfg.max_loras, {cfg.model_name, *cfg.model_aliases}
-        self._keys = itertools.count(1)
-        self.by_name: dict[str, Held] = {name: Held(name, next(self._keys), path) for name, path in cfg.lora_modules.items()}
+        self.keys = itertools.count(1)  # registrations, in order
+        self.by_name: dict[str, Held] = {name: Held(name, next(self.keys), path) for name, path in cfg.lora_modules.items()}
         held = list(self.by_name.values())[:self.max_loras] if self.enabled else []
         self.boot: list[Held | None] = held + [None] * (self.max_loras - len(held))  # what an agent loads itself
         self.held = list(self.boot)  # what every agent holds, slot by slot
@@ -77,7 +70,7 @@ class AdapterSlots:
         return LoraRef(name, self.slot_of(a.key), a.key) if a is not None else None
 
     # ------------------------------------------------------------ engine thread
-    def _registered(self, key: int) -> bool:
+    def registered(self, key: int) -> bool:
         return any(h.key == key for h in self.by_name.values())
 
     def place(self, req: Request) -> bool:
@@ -88,7 +81,7 @@ class AdapterSlots:
         if lora is None:
             return True
         slot = self.slot_of(lora.key)
-        if (slot < 0 and self._registered(lora.key)) or (slot >= 0 and self.parked):
+        if (slot < 0 and self.registered(lora.key)) or (slot >= 0 and self.parked):
             self.parked.append(req)
             return False
         req.params.lora = replace(lora, slot=slot)
@@ -111,7 +104,7 @@ class AdapterSlots:
                 out += failed
                 continue
             slot = self.slot_of(key)
-            if slot < 0 and self._registered(key):
+            if slot < 0 and self.registered(key):
                 if not any(op.done is None for op in self.pending):
                     self._swap_in(req.params.lora.name, live)
                 return out
@@ -122,98 +115,16 @@ class AdapterSlots:
             out.append(req)
         return out
 
-    def _victim(self, live: set[int]) -> int:
+    def victim(self, live: set[int]) -> int:
         """An empty slot, else one whose adapter no placed request uses: an unloaded one first, then
         the least recently used (-1: every slot's adapter is in use)."""
         free = [s for s, h in enumerate(self.held) if h is None or h.key not in live]
         return min(free, key=lambda s: (0, 0) if self.held[s] is None else (
-            1 + self._registered(self.held[s].key), self.used.get(self.held[s].key, 0)), default=-1)
+            1 + self.registered(self.held[s].key), self.used.get(self.held[s].key, 0)), default=-1)
 
     def _swap_in(self, name: str, live: set[int]) -> None:
-        if self._victim(live) >= 0:
+        if self.victim(live) >= 0:
             self.pending.append(Load(name, self.by_name[name].path))
-
-    @property
-    def holds_steps(self) -> bool:
-        """A load is next: no step may be sent until it is in (it waits for the steps in flight)."""
-        return bool(self.pending) and self.pending[0].path is not None
-
-    def apply(self, lanes: list[Any], live_keys: Iterable[int]) -> None:
-        """The pending unloads, loads and swaps, in order; a load only once no lane has a step in flight."""
-        live = set(live_keys)
-        while self.pending:
-            op = self.pending[0]
-            why = self._refusal(op, live) if op.done is not None and op.path is not None else None
-            if why is not None:  # at once: what refuses a load does not wait for the steps in flight
-                self.pending.popleft().done.set_exception(AdapterError(why))
-                continue
-            if self.holds_steps and any(lane.busy for lane in lanes):
-                return
-            self.pending.popleft()
-            try:
-                if op.done is None:
-                    slot = self._victim(live)
-                    if op.name in self.by_name and slot >= 0:  # else `ready` asks again
-                        self._put(slot, self.by_name[op.name], lanes)
-                    continue
-                op.done.set_result(self._load(op, lanes, live) if op.path is not None else self._unload(op.name))
-            except AdapterError as exc:
-                if op.done is None and op.name in self.by_name:  # refused now (its folder gone?): its requests fail
-                    log.error("LoRA adapter %s could not be swapped in: %s", op.name, exc)
-                    self.broken[self.by_name[op.name].key] = f"LoRA adapter `{op.name}` could not be loaded into a slot: {exc}"
-                else:
-                    op.done.set_exception(exc)
-
-    def _put(self, slot: int, adapter: Held, lanes: list[Any]) -> None:
-        """`adapter` into `slot` of every live agent (AdapterError: an agent refused it; nothing changes)."""
-        for lane in lanes:
-            if lane.live:
-                try:
-                    lane.client.call(P.LOAD_ADAPTER, {"slot": slot, "name": adapter.name, "path": adapter.path}, 120.0)
-                except Exception as exc:  # the agent refused the folder (or died)
-                    raise AdapterError(f"LoRA adapter {adapter.name}: {exc}") from None
-        log.info("LoRA adapter %s into slot %d (%s)", adapter.name, slot,
-                 f"out: {self.held[slot].name}" if self.held[slot] else "was empty")
-        self.held[slot] = adapter
-
-    def _refusal(self, op: Load, live: set[int]) -> str | None:
-        if not self.enabled:
-            return "LoRA is off on this server: start it with serving_config.enable_lora (--enable-lora) or lora_modules"
-        if why := adapter_name_problem(op.name):
-            return f"lora_name {op.name[:64]!r}: {why}"
-        if op.name in self.by_name or op.name in self.base:
-            return f"The model `{op.name}` is already served"
-        if self._victim(live) < 0:
-            return (f"every one of the max_loras {self.max_loras} LoRA slots holds an adapter that running requests "
-                    "use: load it again once they end")
-        return None
-
-    def _load(self, op: Load, lanes: list[Any], live: set[int]) -> str:
-        """A run-time registration, loaded into the least recently used slot no placed request uses
-        (the agents check the folder there and then)."""
-        why = self._refusal(op, live)
-        if why is not None:
-            raise AdapterError(why)
-        adapter = Held(op.name, next(self._keys), op.path)
-        self._put(self._victim(live), adapter, lanes)
-        self.by_name[op.name] = adapter
-        return f"Success: LoRA adapter '{op.name}' added successfully."
-
-    def _unload(self, name: str) -> str:
-        """Unregistered now; its slot stays held until no running request uses it (then it is the
-        first to be swapped out)."""
-        if self.by_name.pop(name, None) is None:
-            raise AdapterError(f"The model `{name}` is not a LoRA adapter this server serves", 404)
-        log.info("LoRA adapter %s unloaded", name)
-        return f"Success: LoRA adapter '{name}' removed successfully."
-
-    def replay(self, client: Any) -> None:
-        """A restarted agent loads lora_modules itself: what the slots held since is loaded again."""
-        for slot, (now, boot) in enumerate(zip(self.held, self.boot)):
-            if now != boot:
-                client.call(P.LOAD_ADAPTER, {"slot": slot, "name": now.name if now else "",
-                                             "path": now.path if now else None}, 120.0)
-
 
 def fail_parked(parked: deque[Request], key: int, why: str) -> tuple[deque[Request], list[Request]]:
     """The parked requests of adapter `key` taken out, each with `why` (the engine ends them), and the
