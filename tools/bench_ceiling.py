@@ -22,8 +22,8 @@ import yaml
 
 from common.cpu import describe
 from common.procs import cpu_seconds
-from tools import lifecycle, server_process
-from tools.bench_serving import random_dataset, run_benchmark, summarize
+from llm_serving.bench import lifecycle, server_process
+from llm_serving.bench.serving import random_dataset, run_benchmark, summarize
 
 FIRST_PORT = 61300
 

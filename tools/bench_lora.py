@@ -22,7 +22,7 @@ import yaml
 
 from common.cpu import describe
 from tools import server_process
-from tools.bench_serving import random_dataset, run_benchmark
+from llm_serving.bench.serving import random_dataset, run_benchmark
 from tools.lora_adapter import model_config, random_adapter
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tools import lifecycle
-from tools.bench_serving import _WORDS
+from llm_serving.bench import lifecycle
+from llm_serving.bench.serving import _WORDS
 
 
 @dataclass

@@ -24,7 +24,7 @@ import httpx
 
 from common.cpu import describe
 from tools import server_process
-from tools.bench_serving import random_dataset, run_benchmark
+from llm_serving.bench.serving import random_dataset, run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 

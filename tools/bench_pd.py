@@ -27,7 +27,7 @@ import yaml
 
 from common.cpu import describe
 from tools import server_process
-from tools.bench_serving import BenchRequest, random_dataset, run_benchmark, summarize
+from llm_serving.bench.serving import BenchRequest, random_dataset, run_benchmark, summarize
 
 HANDOVER = {"handovers": "llm_serving_kv_handovers_total", "bytes": "llm_serving_kv_handover_bytes_total",
             "seconds": "llm_serving_kv_handover_seconds_sum", "copy": "llm_serving_kv_handover_copy_seconds_total",

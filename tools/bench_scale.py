@@ -50,7 +50,7 @@ def tree_rss(pid: int) -> int:
 
 def bench(url: str, n: int, input_len: int, output_len: int) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
-    subprocess.run([sys.executable, "-m", "tools.bench_serving", "--base-url", url, "--backend", "tgi",
+    subprocess.run([sys.executable, "-m", "llm_serving.bench.serving", "--base-url", url, "--backend", "tgi",
                     "--num-prompts", str(n), "--input-len", str(input_len), "--output-len", str(output_len),
                     "--save-result", str(out)], cwd=ROOT, check=True, capture_output=True)
     return json.loads(out.read_text())["summary"]

@@ -25,7 +25,7 @@ import httpx
 
 from common.cpu import describe
 from tools import server_process
-from tools.bench_serving import BenchRequest, random_dataset, run_benchmark
+from llm_serving.bench.serving import BenchRequest, random_dataset, run_benchmark
 
 PARAGRAPHS = [
     "The libary opened at nine every morning, and the first visiters were usualy students who needed a quiet "

@@ -112,13 +112,13 @@ wait_ready() {  # $1 = URL that answers 200 once the server is ready
 bench() {  # $1 = port, $2 = result stem: the two workloads against a running OpenAI server
   # Untimed pass first: every system gets its one-time start-up work (our graph compiles, vLLM's
   # and llama.cpp's allocations) out of the measured runs.
-  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
+  "$PY" -m llm_serving.bench.serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
     --request-rate inf --output-len 16 --seed 1 > "$2_warmup.log" 2>&1
-  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
+  "$PY" -m llm_serving.bench.serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
     --request-rate inf --save-result "$2_inf.json"
-  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
+  "$PY" -m llm_serving.bench.serving --base-url "http://127.0.0.1:$1" --backend openai "${BENCH[@]}" \
     --request-rate 2 --save-result "$2_2.json"
-  "$PY" -m tools.bench_serving --base-url "http://127.0.0.1:$1" --backend openai "${VAR_BENCH[@]}" \
+  "$PY" -m llm_serving.bench.serving --base-url "http://127.0.0.1:$1" --backend openai "${VAR_BENCH[@]}" \
     --request-rate "$VAR_RATE" --seed 3 --save-result "$2_var.json"
 }
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 
-from tools.bench_serving import random_dataset
+from llm_serving.bench.serving import random_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ and one PNG.
     python -m tools.sweep_budget --config configs/smollm2.yaml --budgets 128,256,512,1024 \\
         --out docs/budget_sweep -- --num-prompts 64 --input-len 200 --output-len 128 --request-rate 2
 
-Arguments after `--` go to llm-bench (tools/bench_serving.py). Needs the `bench` extra (matplotlib).
+Arguments after `--` go to llm-bench (llm_serving/bench/serving.py). Needs the `bench` extra (matplotlib).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from tools import bench_serving, server_process
+from llm_serving.bench import serving as bench_serving
+from tools import server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 

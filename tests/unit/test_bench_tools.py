@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 def test_bench_arrival_bound_caps_output_throughput_at_a_finite_rate():
-    from tools.bench_serving import RequestResult, summarize
+    from llm_serving.bench.serving import RequestResult, summarize
 
     # Sent at 0, 1 and 4 s, 100 tokens each, the last answered at 5 s: no server could have ended
     # before 4 s, so 300 tokens / 4 s is the most any could reach.
@@ -14,7 +14,7 @@ def test_bench_arrival_bound_caps_output_throughput_at_a_finite_rate():
 
 
 def test_bench_random_range_ratio_draws_lengths_in_range():
-    from tools.bench_serving import random_dataset
+    from llm_serving.bench.serving import random_dataset
 
     reqs = random_dataset(200, 200, 128, seed=3, range_ratio=0.9)
     ins, outs = [r.prompt_len for r in reqs], [r.max_tokens for r in reqs]
@@ -26,7 +26,7 @@ def test_bench_random_range_ratio_draws_lengths_in_range():
 
 
 def test_goodput_is_the_highest_rate_within_both_bounds():
-    from tools.bench_report import goodput_line
+    from llm_serving.bench.report import goodput_line
 
     def run(rate: float, ttft: float, tpot: float, failed: int = 0) -> dict:
         return {"request_rate": rate, "p99_ttft_ms": ttft, "p99_tpot_ms": tpot, "failed": failed,

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tools import lifecycle
-from tools.bench_report import add_server_overhead, plot_sweep, server_stats, goodput_line, print_table
+from llm_serving.bench import lifecycle
+from llm_serving.bench.report import add_server_overhead, plot_sweep, server_stats, goodput_line, print_table
 
 
 @dataclass
