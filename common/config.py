@@ -15,7 +15,7 @@ from common.config_checks import ConfigError, check_all, check_spec_method
 from common.config_files import ge_graphs, read_yaml, section
 from common.config_keys import KEYS, SECTIONS
 from common.config_text import notices
-from common.config_values import WHAT
+from common.config_values import WHAT, Role
 
 BUCKET_RATIO = 4  # consecutive token buckets are at most this far apart (a step pads at most 4x)
 # At most this many inputs per int8 scale (agent.model.quant.group_for): 576-input rows (SmolLM2's hidden
@@ -117,12 +117,12 @@ class ServingConfig:
     def lora_enabled(self) -> bool:  # the agents hold LoRA slots (max_loras of rank max_lora_rank)
         return self.enable_lora or bool(self.lora_modules)
 
-    def role(self, index: int) -> str:  # what agent `index` runs: prompts and decodes (`both`), or one of them
-        return self.agent_roles[index] if self.agent_roles else "both"
+    def role(self, index: int) -> Role:  # what agent `index` runs: prompts and decodes (`both`), or one of them
+        return Role(self.agent_roles[index]) if self.agent_roles else Role.BOTH
 
     @property
     def disaggregated(self) -> bool:  # some agent only prefills or only decodes: finished prompts' KV moves between agents
-        return any(r != "both" for r in self.agent_roles)
+        return any(r != Role.BOTH for r in self.agent_roles)
 
     def agent_host(self, index: int) -> str:  # the address servers reach agent `index` at
         return self.agent_hosts[index] if self.agent_hosts else self.agent_ip

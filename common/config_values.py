@@ -2,6 +2,8 @@
 ValueError/TypeError for a value they refuse, and WHAT names what each accepts, for the error."""
 from __future__ import annotations
 
+import enum
+
 import re
 from typing import Any
 
@@ -93,7 +95,17 @@ def as_names(v: Any) -> list[str]:
     return list(v)
 
 
-ROLES = ("both", "prefill", "decode")
+class Role(str, enum.Enum):
+    """What an agent runs (serving_config.agent_roles): prompts and decodes, or only one of them."""
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ROLES = tuple(r.value for r in Role)
 
 
 def as_roles(v: Any) -> list[str]:

@@ -224,7 +224,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
             "errors": sorted({r.error for r in results if r.error})[:5]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llm-bench", description=__doc__)
     ap.add_argument("--base-url", default="http://127.0.0.1:8835")
     ap.add_argument("--backend", choices=("original", "tgi", "openai"), default="openai")
@@ -245,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                     "p99 TPOT stay within these bounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-result", help="JSON file for the summary (and per-request results)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
 
     if args.dataset == "alpaca":

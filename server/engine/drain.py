@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from common.config import ServingConfig
+from common.config_values import Role
 from server.engine.lane import AgentLane, LaneState
 from server.engine.messages import AgentBack, Drain, Message
 from server.engine.supervisor import Supervisor
@@ -93,7 +94,7 @@ class Drains:
     def _refusal(self, lane: AgentLane) -> str | None:
         """Why the other agents could not take over (None: they can)."""
         others = [o for o in self.lanes if o is not lane and o.live and not o.sched.moves.draining]
-        if not any(o.sched.role != "decode" for o in others) or not any(o.sched.role != "prefill" for o in others):
+        if not any(o.sched.role != Role.DECODE for o in others) or not any(o.sched.role != Role.PREFILL for o in others):
             return (f"agent {lane.index} (port {self._port(lane)}) is needed: "
                     "no other live agent would take its prompts or its decodes")
         return None

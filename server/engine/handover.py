@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from common.config import ServingConfig
+from common.config_values import Role
 from server.engine.lane import AgentLane, LaneState
 from server.engine.metrics import Metrics
 from server.engine.requests import Requests
@@ -123,7 +124,7 @@ def successor(seq: Any, lanes: list[AgentLane]) -> AgentLane | None:
     """Of `lanes`, the one to go on with `seq` once its KV is in hand-over slots: one whose role
     allows its next row (a decode, or the rest of its prompt), not draining, live (else coming
     back), the least loaded, then the one with the most free blocks. None: no such lane."""
-    role = "prefill" if seq.remaining == 1 else "decode"  # the role that cannot go on with it
+    role = Role.PREFILL if seq.remaining == 1 else Role.DECODE  # the role that cannot go on with it
     targets = [d for d in lanes if d.sched.role != role and not d.sched.moves.draining
                and d.state in (LaneState.LIVE, LaneState.RECOVERING)]
     seq.agent_has_next = False  # its next row carries its token

@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from common.config import ServingConfig
+from common.config_values import Role
 from server.engine.handover import successor
 from server.engine.lane import AgentLane, LaneState
 from server.engine.messages import AgentBack, Message
@@ -45,7 +46,7 @@ class Supervisor:
     # ------------------------------------------------------------ routing
     def open_lanes(self) -> list[AgentLane]:
         """Lanes that take prompts (any role but `decode`): live ones, else those whose agent is coming back."""
-        lanes = [lane for lane in self.lanes if lane.sched.role != "decode" and not lane.sched.moves.draining]
+        lanes = [lane for lane in self.lanes if lane.sched.role != Role.DECODE and not lane.sched.moves.draining]
         return [lane for lane in lanes if lane.live] or [lane for lane in lanes if lane.state is LaneState.RECOVERING]
 
     def recompute(self, req: Request) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from common.config_values import Role
 from server.sched.step_plan import StepBuilder
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class KvMoves:
         a prompt's next chunk; on a prefill agent one that does not end the prompt: that one exports)."""
         for seq in list(self.incoming):
             decode = seq.remaining == 1
-            n = 1 if decode else min(step.chunk(seq), seq.remaining - (self.role == "prefill")) if step.open else 0
+            n = 1 if decode else min(step.chunk(seq), seq.remaining - (self.role == Role.PREFILL)) if step.open else 0
             if n <= 0 or len(running) >= max_running or not self.blocks.grow(seq.table, seq.computed + n):
                 break
             self.incoming.remove(seq)
@@ -102,7 +103,7 @@ class KvMoves:
     def evicted(self, waiting: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(`waiting` kept, taken out): a decode agent's preempted sequences, a draining agent's waiting
         ones, none with a token in flight, leave to be computed again where prompts run."""
-        if self.role != "decode" and not self.draining:
+        if self.role != Role.DECODE and not self.draining:
             return waiting, []
         return [seq for seq in waiting if seq.pending], [seq for seq in waiting if not seq.pending]
 

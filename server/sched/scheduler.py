@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from server.sched.block_manager import BlockManager
 from common.config import ServingConfig
+from common.config_values import Role
 from server.sched.handover import HandoverSlots, KvMoves
 from server.sched.sequence import Sequence
 from server.sched.speculative import SpecPolicy
@@ -26,7 +27,7 @@ from server.sched.step_plan import (RowResult, StepBuilder, StepPlan, batch_hold
 
 
 class Scheduler:
-    def __init__(self, cfg: ServingConfig, pads_cost: bool = True, speculate: bool = False, role: str = "both",
+    def __init__(self, cfg: ServingConfig, pads_cost: bool = True, speculate: bool = False, role: Role = Role.BOTH,
                  handover: HandoverSlots | None = None):
         """`speculate`: decodes ask the agent for drafts (its proposer is speculative_config's). `role`
         (serving_config.agent_roles): a `prefill` agent's finished prompts leave with their KV through
@@ -123,7 +124,7 @@ class Scheduler:
         step = StepBuilder(self.cfg, self.cfg.token_budget if decoding else self.cfg.prefill_budget)
         self._plan_decodes(step)
         self.moves.plan_imports(step, self.running, self.cfg.max_running)
-        if self.role != "decode":
+        if self.role != Role.DECODE:
             self._plan_started(step)
             plan_admissions(step, self.waiting, self.running, self.blocks, self.cfg)
         drafting = (self.spec is not None and any(p.feed and p.sample for p in step.rows)
@@ -132,7 +133,7 @@ class Scheduler:
             self.spec.plan_drafts(step, self.blocks, self.cfg)
         if self.pads_cost:
             end_at_bucket(step.rows, self.cfg.token_buckets)
-        if self.role == "prefill":
+        if self.role == Role.PREFILL:
             self.moves.plan_exports(step, self.running)
         commit(step.rows)
         return self._plan(step.rows, preempted=self.preempted - preempted, running=len(self.running),

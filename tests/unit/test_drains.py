@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import pytest
 
 from common.config import ServingConfig
+from common.config_values import Role
 from server.engine.drain import DrainError, Drains
 from server.engine.lane import LaneState
 from server.engine.messages import Drain
 
 
 def _lane(index: int) -> SimpleNamespace:
-    sched = SimpleNamespace(moves=SimpleNamespace(draining=False, moved=0), load=0, role="both", evicted=lambda: [])
+    sched = SimpleNamespace(moves=SimpleNamespace(draining=False, moved=0), load=0, role=Role.BOTH, evicted=lambda: [])
     lane = SimpleNamespace(index=index, state=LaneState.LIVE, why="", sched=sched, busy=False)
     lane.live = True
     return lane

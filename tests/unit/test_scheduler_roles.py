@@ -3,6 +3,7 @@ with their KV through hand-over slots, a decode agent takes them in and never ru
 from __future__ import annotations
 
 from common.config import ServingConfig
+from common.config_values import Role
 from server.sched.handover import HandoverSlots
 from server.sampling_params import SamplingParams
 from server.sched.scheduler import Scheduler
@@ -17,7 +18,7 @@ def _cfg() -> ServingConfig:
 
 def _prefilled(slots: HandoverSlots) -> tuple[Scheduler, Sequence]:
     """A 10-token prompt run to its first token on a prefill scheduler (in two steps of 8)."""
-    s = Scheduler(_cfg(), role="prefill", handover=slots)
+    s = Scheduler(_cfg(), role=Role.PREFILL, handover=slots)
     a = Sequence(list(range(10)), SamplingParams(), 0.0)
     s.add(a)
     plan = s.schedule()
@@ -50,7 +51,7 @@ def test_without_free_slots_a_prompt_stops_one_token_short():
 
 def test_a_decode_agent_imports_in_order_and_never_admits_a_prompt():
     slots = HandoverSlots(16)
-    d = Scheduler(_cfg(), role="decode", handover=slots)
+    d = Scheduler(_cfg(), role=Role.DECODE, handover=slots)
     d.add(Sequence([1, 2, 3], SamplingParams(), 0.0))  # a prompt here would never run
     moved = []
     for n in (10, 30):
@@ -68,7 +69,7 @@ def test_a_decode_agent_imports_in_order_and_never_admits_a_prompt():
 
 
 def test_a_decode_agent_gives_back_what_it_preempted():
-    d = Scheduler(_cfg(), role="decode", handover=HandoverSlots(8))
+    d = Scheduler(_cfg(), role=Role.DECODE, handover=HandoverSlots(8))
     seq = Sequence(list(range(10)), SamplingParams(), 0.0, output=[7])
     seq.computed = 10
     d.moves.incoming.append(seq)

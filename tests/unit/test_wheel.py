@@ -3,6 +3,7 @@ files they read (the kernels' sources, the chat page), and no tests. A package l
 once left four agent folders out of it."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def _installed_imports(tmp_path, wheel, files: set[str]) -> None:
             "    f = importlib.import_module(m).__file__\n"
             f"    assert f.startswith({str(own)!r}), (m, f)\n"
             "print(len(sys.modules))")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the checkout on the path
     out = subprocess.run([str(env / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=clean)
     assert out.returncode == 0, out.stderr[-3000:]
