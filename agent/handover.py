@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shm.arena import Segment
+
+if TYPE_CHECKING:
+    from agent.runner import ModelRunner
 
 # A test hook: each export takes this much longer (a slow transfer; tests/e2e/test_disaggregation.py).
 EXPORT_DELAY_S = float(os.environ.get("LLM_SERVING_HANDOVER_DELAY_S", 0))
@@ -83,7 +86,7 @@ class Handovers:
     cache before the step runs, `export` [seq, blocks, slots] copied out after it, through the
     server's hand-over segment `handover`, or through the step's frames (a tcp agent)."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.pages: KvPages | None = None
         self.segment: Segment | None = None

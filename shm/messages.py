@@ -66,7 +66,10 @@ class StepReply(Wire):
     graph_compiles: int = 0
     rss_bytes: int = 0  # the agent's resident memory after the step
     handover_s: float = 0.0  # its KV hand-over copies (`import`, `export`)
-    kv_frames: list[bytes] = field(default_factory=list)  # not on the wire: the slots it exported as frames
+    # not on the wire: the slots it exported as frames, and its outputs (shm.step.StepView: the arena
+    # slot it answers for, read there by the one who sent the step)
+    kv_frames: list[bytes] = field(default_factory=list)
+    views: Any = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "kv_frames"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv_frames", "views")}

@@ -223,7 +223,7 @@ class AgentClient:
         n = 0 if self.local else self.arenas[head.slot].n_output_frames
         if n and self.owns_segment:  # a group's rank > 0 leaves its lead's outputs alone
             self.arenas[head.slot].load_outputs(head.dims, frames[:n])
-        return replace(StepReply.from_wire(body), kv_frames=frames[n:])
+        return replace(StepReply.from_wire(body), kv_frames=frames[n:], views=self.arenas[head.slot].full)
 
     def send_heartbeat(self) -> None:
         self.send(P.HEARTBEAT)

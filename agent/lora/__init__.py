@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +13,10 @@ from agent.lora.peft import Adapter, read_peft_adapter
 from agent.model_config import ModelConfig
 from common.config import ServingConfig
 from common.lora import AdapterError
+
+if TYPE_CHECKING:
+    from agent.model.lora import LoraSlots
+    from agent.runner import ModelRunner
 
 log = logging.getLogger("llm_serving.agent")
 __all__ = ["load_into_slot", "lora_slots", "read_adapter"]
@@ -30,7 +34,7 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     return adapter
 
 
-def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:
+def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> LoraSlots | None:
     """serving_config.lora_modules in config order, the first max_loras in the slots (slot i holding
     adapter i + 1), the others read and checked only (the server swaps them in when a request wants
     one); the other slots empty (agent.model.lora.LoraSlots; None: no LoRA slots)."""
@@ -42,7 +46,7 @@ def lora_slots(cfg: ServingConfig, model_cfg: ModelConfig) -> Any:
     return LoraSlots(adapters[:cfg.max_loras], cfg.max_loras, cfg.max_lora_rank)
 
 
-def load_into_slot(runner: Any, slot: int, name: str, path: str | None) -> dict[str, int]:
+def load_into_slot(runner: ModelRunner, slot: int, name: str, path: str | None) -> dict[str, int]:
     """The agent's `l` command: adapter `name` from `path` (None: nothing) into LoRA slot `slot` of
     `runner` (agent.runner.ModelRunner), from its next step on; the reply's body."""
     lora = runner.lora

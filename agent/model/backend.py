@@ -4,7 +4,7 @@ agent.model.decoder composes them and has no dtype branches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 from mindspore import nn
@@ -18,6 +18,9 @@ from agent.model.linear import LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, In
 from agent.model.fusion import fp32_projections, int8_projections, lm_head
 from agent.model_config import ModelConfig
 from common.config import QUANT_GROUP_SIZE
+
+if TYPE_CHECKING:
+    from agent.model.lora import LoraSlots
 
 PLAIN_DTYPES = ("float32", "float16")  # of weights and KV cache on the plain-MindSpore path (any device)
 
@@ -33,7 +36,7 @@ class Backend:
     int8_group: int = QUANT_GROUP_SIZE
     ranges: dict[str, list[np.ndarray]] | None = None  # agent.model.calibrate's activation ranges (int8)
     tp_size: int = 1  # tensor-parallel ranks: this model is one rank's shard (agent.tensor_parallel)
-    lora: Any = None  # agent.model.lora.LoraSlots: the adapters' A rows join the projections (int8: beside them)
+    lora: LoraSlots | None = None  # the adapters' A rows join the projections (int8: beside them)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

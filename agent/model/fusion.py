@@ -9,13 +9,16 @@ agent/model/calibrate.py (float weights only: a file's int8 rows are used as sto
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from agent.model.quant import CHANNEL, Int8Rows, concat, quantize, smoothing
 from agent.model_config import ModelConfig, Weights
 from common.config import QUANT_GROUP_SIZE
+
+if TYPE_CHECKING:
+    from agent.model.lora import LoraSlots
 
 def _layer_mats(w: Weights, i: int) -> dict[str, list[Any]]:
     p = f"model.layers.{i}."
@@ -79,7 +82,7 @@ def layer_prologues(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterator
         yield out
 
 
-def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float, lora: Any = None) -> Iterator[dict[str, np.ndarray]]:
+def fp32_projections(cfg: ModelConfig, w: Weights, attn_scale: float, lora: LoraSlots | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Per layer (one at a time: a large model never holds a second full copy), each projection's
     [out, in] float32 matrix, gains and attention scale folded in; `lora` (agent.model.lora.LoraSlots):
     its adapters' A rows after the matrix's own, the gain folded into them alike."""
@@ -121,7 +124,7 @@ def kind_group(name: str, group: int) -> int:
 
 
 def int8_projections(cfg: ModelConfig, w: Weights, attn_scale: float, ranges: dict[str, list[np.ndarray]] | None,
-                     group: int, lora: Any = None) -> Iterator[dict[str, tuple]]:
+                     group: int, lora: LoraSlots | None = None) -> Iterator[dict[str, tuple]]:
     """Per layer, each projection's (int8 rows, input factor); `ranges` from agent.model.calibrate
     (None: no smoothing); `group`: at most this many inputs per weight and activation scale
     (agent.model.quant.group_for), or CHANNEL (kind_group). `lora` (agent.model.lora.LoraSlots): a

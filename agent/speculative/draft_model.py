@@ -14,12 +14,15 @@ KV only costs acceptance, never a token."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
 from agent.runner_config import bucket
 from shm.step import StepInputs
+
+if TYPE_CHECKING:
+    from agent.runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -40,7 +43,7 @@ class Row:
 
 
 class DraftModelProposer:
-    def __init__(self, runner: Any, method: str):
+    def __init__(self, runner: ModelRunner, method: str):
         """`runner`: an agent.runner.ModelRunner of the draft weights whose KV pool has the target's
         num_blocks and block_size (its graphs built before ready)."""
         self.runner, self.method = runner, method

@@ -156,11 +156,11 @@ class Stepper:
         self.metrics.graph_compiles.inc(lane.new_compiles(reply.graph_compiles))
         lane.memory.note(reply.rss_bytes)
         self.metrics.kv_handover_copy.inc(reply.handover_s)
-        arena = lane.client.arenas[step.slot].full
-        self._scores(rows, arena.scores)
-        emitted = self._emitted(rows, arena.outputs, arena.drafts)
+        views = reply.views
+        self._scores(rows, views.scores)
+        emitted = self._emitted(rows, views.outputs, views.drafts)
         lane.sched.update(step.plan, [RowResult([o.token for o in out] if self._keeps(p, out) else [],
-                                                *((int(arena.outputs.accepted[i]), int(arena.outputs.drafted[i]))
+                                                *((int(views.outputs.accepted[i]), int(views.outputs.drafted[i]))
                                                   if p.spec else (0, 0)))
                                       for i, (p, out) in enumerate(zip(rows, emitted))])
         for p, out in zip(rows, emitted):
