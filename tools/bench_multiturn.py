@@ -47,10 +47,13 @@ class Conversation:
 
 
 def conversations(n: int, turns: int, system_words: int, user_words: int, think_s: float, stagger_s: float,
-                  seed: int) -> list[Conversation]:
+                  seed: int, shared: bool = False) -> list[Conversation]:
+    """`shared`: one system prompt for every conversation (a hot prefix), else each its own."""
     rng = random.Random(seed)
     words = lambda k: " ".join(rng.choice(_WORDS) for _ in range(k))  # noqa: E731
-    return [Conversation(f"You are assistant {i}. " + words(system_words), [words(user_words) for _ in range(turns)],
+    common = words(system_words)
+    return [Conversation("You are an assistant. " + common if shared else f"You are assistant {i}. " + words(system_words),
+                         [words(user_words) for _ in range(turns)],
                          rng.uniform(0, stagger_s), [rng.expovariate(1 / think_s) if think_s > 0 else 0.0
                                                      for _ in range(turns - 1)]) for i in range(n)]
 
@@ -101,7 +104,8 @@ async def run(convs: list[Conversation], base: str, model: str, output_len: int)
 
 def server_counters(base: str) -> dict[str, float]:
     """Our server's prompt-token, per-agent request and routing counters ({} for a peer without them)."""
-    keep = (lifecycle.PROMPT, lifecycle.PREFILL, "llm_serving_agent_requests_total", "llm_serving_routed_by_prefix_total")
+    keep = (lifecycle.PROMPT, lifecycle.PREFILL, "llm_serving_agent_requests_total", "llm_serving_routed_by_prefix_total",
+            "llm_serving_routed_past_prefix")
     return {k: v for k, v in lifecycle.samples(base).items() if k.startswith(keep)}
 
 
@@ -120,8 +124,11 @@ def summarize(convs: list[Conversation], wall: float, before: dict[str, float], 
     prompt = delta.get(lifecycle.PROMPT, 0.0)
     if prompt:
         s["prompt_computed_share"] = delta.get(lifecycle.PREFILL, 0.0) / prompt
+        s["prompt_tokens"] = prompt
         s["agent_requests"] = [v for k, v in sorted(delta.items()) if k.startswith("llm_serving_agent_requests_total")]
         s["routed_by_prefix"] = delta.get("llm_serving_routed_by_prefix_total", 0.0)
+        s["routed_past_prefix"] = delta.get("llm_serving_routed_past_prefix_total", 0.0)
+        s["routed_past_prefix_tokens"] = delta.get("llm_serving_routed_past_prefix_tokens_total", 0.0)
     return s
 
 

@@ -59,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     chat = lambda: conversations(args.conversations, args.turns, args.system_words, 40, args.think_s,  # noqa: E731
                                  args.stagger_s, 0)
     alone = lambda: conversations(2 * args.conversations, 1, args.system_words, 40, 0, args.stagger_s, 1)  # noqa: E731
+    # every conversation on one system prompt, all at once: the agent holding it is soon loaded past the bound
+    hot = lambda: conversations(2 * args.conversations, 2, args.system_words, 40, args.think_s, 0, 2, shared=True)  # noqa: E731
     folder = Path(tempfile.mkdtemp(prefix="bench-routing-"))
     one = _config(args.config, [port], "prefix", folder)
     runs = {"one agent": _serve(one, folder / "one.log", model, args.output_len, {"chat": chat})}
     for routing in ("least_load", "prefix"):
         runs[routing] = _serve(_config(args.config, [port, port + 1], routing, folder), folder / f"{routing}.log", model,
-                               args.output_len, {"chat": chat, "nothing shared": alone})
+                               args.output_len, {"chat": chat, "nothing shared": alone, "one hot prefix": hot})
     report(runs, args)
     return 0
 
@@ -86,6 +88,10 @@ def report(runs: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
           f"TTFT p50 {prefix['ttft_p50_ms'] / least['ttft_p50_ms']:.2f}x, output tok/s "
           f"{prefix['output_tok_s'] / least['output_tok_s']:.2f}x; nothing shared, busiest agent / other: "
           f"{max(shared) / max(1, min(shared)):.2f}x")
+    past = runs["prefix"]["one hot prefix"]
+    print(f"one hot prefix, prefix routing: {past.get('routed_past_prefix', 0):.0f} requests went to the least loaded agent "
+          f"past the one holding their prefix, computing {past.get('routed_past_prefix_tokens', 0):.0f} prompt tokens "
+          f"again (what copying the prefix's KV would save) of {past.get('prompt_tokens', 0):.0f}")
     failed = sum(s["failed"] for w in runs.values() for s in w.values())
     if failed:
         print(f"{failed} turns failed", file=sys.stderr)

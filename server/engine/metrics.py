@@ -54,6 +54,11 @@ class Metrics:
                                         "prompt's prefix rather than the least loaded (serving_config.routing)", registry=r)
         self.routed_prefix_tokens = Counter("llm_serving_routed_prefix_tokens", "Prompt tokens those requests found "
                                             "cached beyond what the least loaded agent held", registry=r)
+        self.routed_past_prefix = Counter("llm_serving_routed_past_prefix", "Requests sent to the least loaded agent "
+                                          "although another held more of their prompt (it was loaded past the bound)",
+                                          registry=r)
+        self.routed_past_prefix_tokens = Counter("llm_serving_routed_past_prefix_tokens", "Prompt tokens those requests "
+                                                 "computed again that another agent held", registry=r)
         self.rejected = Counter("llm_serving_requests_rejected", "Requests refused (queue full)", registry=r)
         self._speculative_metrics(r)
         self._lora_metrics(r)

@@ -53,7 +53,12 @@ class PrefixAffinity:
         hits = {lane.index: lane.sched.blocks.cached(hashes) for lane in lanes}
         best = max(lanes, key=lambda lane: (hits[lane.index], -lane.sched.load))
         gain = hits[best.index] - hits[least.index]
-        if gain <= 0 or not self._room(best, least, len(seq.tokens) - hits[best.index] * self.block_size):
+        if gain <= 0:
+            return least
+        if not self._room(best, least, len(seq.tokens) - hits[best.index] * self.block_size):
+            # what copying the prefix's KV to the least loaded agent would save (docs/benchmarks.md)
+            self.metrics.routed_past_prefix.inc()
+            self.metrics.routed_past_prefix_tokens.inc(gain * self.block_size)
             return least
         self.metrics.routed_by_prefix.inc()
         self.metrics.routed_prefix_tokens.inc(gain * self.block_size)

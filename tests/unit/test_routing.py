@@ -51,12 +51,15 @@ def test_the_next_turn_goes_where_its_conversation_is_cached():
 
 
 def test_an_overloaded_or_full_agent_gives_way_to_the_least_loaded():
-    router, _ = _router()
+    router, metrics = _router()
     lanes = [_lane(0, load=2), _lane(1, load=2 + SLACK)]
     _cache(lanes[1], CONVERSATION)
     assert router.choose(_seq(CONVERSATION + [7]), lanes) is lanes[1]  # SLACK more: still its
+    assert metrics.routed_past_prefix._value.get() == 0
     lanes[1].sched.load += 1
     assert router.choose(_seq(CONVERSATION + [7]), lanes) is lanes[0]
+    # counted: what copying the prefix's KV instead of computing it again would save
+    assert metrics.routed_past_prefix._value.get() == 1 and metrics.routed_past_prefix_tokens._value.get() == 24
     lanes[0].sched.load = 40  # 1.5 x 40 = 60 > 40 + SLACK: the prefix's agent is within the ratio again
     lanes[1].sched.load = 60
     assert router.choose(_seq(CONVERSATION + [7]), lanes) is lanes[1]
