@@ -13,10 +13,10 @@ import argparse
 import time
 from dataclasses import replace
 
-import numpy as np
 
 import agent.model.attention
 from agent.graph_call import setup_mindspore
+from agent.packing import padding
 from agent.runner import ModelRunner
 from agent.runner_config import RunnerConfig
 from agent.weights.load import load_model
@@ -54,9 +54,8 @@ def main() -> None:
           flush=True)
     if args.run:
         for t, r, s in rc.graph_shapes():
-            z = np.zeros(t, np.int32)
-            runner._run(z, z, z + rc.block_size, np.full(t, r - 1, np.int32), np.zeros((r, rc.width), np.int32),
-                        np.zeros(s, np.int32))
+            g = padding(t, r, s, rc.width)
+            runner._run(g._replace(slots=g.slots + rc.block_size))
         print(f"every graph run once: peak RSS {status('VmHWM')} MiB", flush=True)
     print(f"target (weights + KV + 1.5 GiB): {w + kv + 1536} MiB")
 

@@ -71,6 +71,8 @@ def token_nll(runner, ids: list[int], chunk: int = 128) -> tuple[list[float], li
     """The NLL of every next token of one sequence (at most max_model_len tokens) fed in chunks
     through the paged cache, and the model's top token at every position (teacher-forced: each
     prediction sees the corpus, not the model's own earlier picks)."""
+    from agent.packing import GraphInputs
+
     width = runner.rc.width
     table = np.arange(1, width + 1, dtype=np.int32).reshape(1, width)  # block 0 is reserved
     nll: list[float] = []
@@ -82,8 +84,8 @@ def token_nll(runner, ids: list[int], chunk: int = 128) -> tuple[list[float], li
         tokens[:n] = part
         pos = np.arange(s, s + chunk, dtype=np.int32)
         slots = np.where(np.arange(chunk) < n, pos + BLOCK, 0).astype(np.int32)  # padding writes block 0
-        logits, lse = runner._run(tokens, np.minimum(pos, s + n - 1), slots, np.zeros(chunk, np.int32), table,
-                                  np.arange(chunk, dtype=np.int32))
+        logits, lse = runner._run(GraphInputs(tokens, np.minimum(pos, s + n - 1), slots, np.zeros(chunk, np.int32), table,
+                                              np.arange(chunk, dtype=np.int32), None))
         nxt = np.asarray(ids[s + 1:s + n + 1])
         m = len(nxt)
         nll.extend((lse[:m] - logits[np.arange(m), nxt]).tolist())
