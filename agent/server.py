@@ -87,8 +87,7 @@ class AgentServer:
         self.peer: bytes | None = None  # routing id of the attached server
         self.server_pid: int | None = None
         self.last_msg = time.monotonic()  # from the attached server
-        self.exiting = False
-        self.failed = False  # exited after a RuntimeFailure
+        self.exiting, self.failed = False, False  # failed: exited after a RuntimeFailure
         self.handovers = Handovers(runner)  # KV blocks in and out through the server's hand-over segment
 
     # ------------------------------------------------------------ attachment
@@ -142,19 +141,22 @@ class AgentServer:
             raise CommandError(P.E_BAD_STEP, f"slot {h['slot']} outside the arena's {len(self.arenas)}")
         arena = self.arenas[h["slot"]]
         v, kv_frames, graph_tokens = read_step(arena, msg, dims, self.runner, local=self.segment is not None)
+        moves = bool(h.get("import") or h.get("export"))  # KV blocks in or out with this step (agent/handover.py)
         try:
-            self.handovers.check(h, kv_frames)
+            if moves or kv_frames:
+                self.handovers.check(h, kv_frames)
         except (ValueError, OSError) as exc:
             raise CommandError(P.E_BAD_STEP, str(exc)) from None
         try:
-            self.handovers.imports(h)
+            if moves:
+                self.handovers.imports(h)
             model_s = self.runner.step(v, h["free"], h.get("grammars", []), h.get("histories", []))
-            kv_out = self.handovers.exports(h)
+            kv_out = self.handovers.exports(h) if moves else []
         except Exception as exc:
             raise RuntimeFailure(f"{type(exc).__name__}: {exc}") from exc
         frames = ([] if self.segment is not None else arena.output_frames(dims)) + kv_out
         return StepReply(model_s, time.perf_counter() - t0, graph_tokens, self.runner.graph_compiles,
-                         rss_bytes(), self.handovers.seconds).to_wire(), frames
+                         rss_bytes(), self.handovers.seconds if moves else 0.0).to_wire(), frames
 
     def _load_adapter(self, peer: bytes, h: dict[str, Any]) -> dict[str, Any]:
         """`l`: the PEFT folder at `path` (None: nothing) into LoRA slot `slot`, from the next step on."""

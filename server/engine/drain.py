@@ -32,6 +32,7 @@ class Drains:
         # lane -> (the Futures of the drains asked of it, its scheduler's moved count then): a second
         # drain of a draining agent shares the first's answer
         self.pending: dict[int, tuple[list[Future], int]] = {}
+        self.armed = False  # a drain waits for its agent to empty: a turn between steps (server/engine/hooks.py)
 
     def ask(self, port: int, resume: bool = False) -> Future:
         """(any thread) Move every sequence of the agent on `port` to the others with its KV and schedule
@@ -40,9 +41,6 @@ class Drains:
         done: Future = Future()
         self.inbox.put(Drain(port, resume, done))
         return done
-
-    def wants_turn(self) -> bool:
-        return bool(self.pending)
 
     def holds_steps(self) -> bool:
         return False
@@ -82,6 +80,7 @@ class Drains:
             return
         lane.sched.moves.draining = True
         self.pending[lane.index] = ([msg.done], lane.sched.moves.moved)
+        self.armed = True
         for req in [seq.request for seq in lane.sched.evicted()]:  # not started: queued elsewhere
             self.supervisor.recompute(req)
 
@@ -108,6 +107,7 @@ class Drains:
             del self.pending[index]
             for done in waiting:
                 done.set_result(self._result(lane, moved))
+        self.armed = bool(self.pending)
 
     def waiting(self) -> int:
         """Drain requests not answered yet (/stats)."""

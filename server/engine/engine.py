@@ -132,12 +132,12 @@ class Engine:
                 # IDLE_WAIT_S between steps.
                 self._drain_inbox(self._idle_wait(time.monotonic()))
                 now = time.monotonic()
-                held = any(h.holds_steps() for h in self.hooks)
+                held = any(h.armed and h.holds_steps() for h in self.hooks)
                 for lane in self.lanes:  # with overlap: step N+1 goes shortly before step N ends
                     while not held and lane.can_send and lane.send_wait(now) <= 0 and self.stepper.launch(lane, now):
                         pass
                 for hook in self.hooks:
-                    if hook.wants_turn():
+                    if hook.armed:
                         hook.turn()
                 busy = [lane for lane in self.lanes if lane.busy]
                 for lane in busy:
@@ -157,7 +157,7 @@ class Engine:
     def _idle_wait(self, now: float) -> float:
         """How long the engine may sleep on its inbox: 0 while a live lane has work to launch or a
         command in flight; else until the next batch window closes, at most IDLE_WAIT_S."""
-        wait = 0.0 if any(h.wants_turn() for h in self.hooks) else IDLE_WAIT_S
+        wait = 0.0 if any(h.armed for h in self.hooks) else IDLE_WAIT_S
         for lane in self.lanes:
             if lane.busy:
                 return 0.0

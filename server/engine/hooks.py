@@ -9,8 +9,7 @@ from server.engine.messages import AgentBack
 
 
 class BetweenSteps(Protocol):
-    def wants_turn(self) -> bool:
-        """Work waits: the engine takes a turn now rather than sleep on its inbox."""
+    armed: bool  # work waits: the engine gives it turns (and asks holds_steps) only then, and does not sleep
 
     def holds_steps(self) -> bool:
         """No step may be sent until a turn has run (e.g. a load waits for the steps in flight)."""

@@ -40,7 +40,8 @@ class LoraTurns:
         """Whether `req` (naming an adapter) may be assigned now; else it is parked for its adapter."""
         return self.slots.place(req)
 
-    def wants_turn(self) -> bool:
+    @property
+    def armed(self) -> bool:
         return bool(self.slots.pending or self.slots.parked)
 
     def holds_steps(self) -> bool:

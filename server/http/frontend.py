@@ -58,8 +58,10 @@ class Frontend:
     def check_model(self, name: str | None) -> LoraRef | None:
         """A request's `model` (or adapter): absent, or a name this server serves (OpenAI's 404
         otherwise). Returns its LoRA adapter (None: the base model)."""
-        lora = self.engine.adapters.resolve(name) if name is not None else None
-        if name is not None and lora is None and name not in self.served_names:
+        if name is None or name == self.cfg.model_name or name in self.cfg.model_aliases:
+            return None
+        lora = self.engine.adapters.resolve(name)
+        if lora is None:
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {self.served_names}",
                            code="model_not_found")
         return lora

@@ -46,10 +46,6 @@ class KvMoves:
         self.draining = False  # every sequence leaves with its KV; nothing new comes (POST /admin/agents/{port}/drain)
         self.moved = 0  # sequences that left with their KV
 
-    @property
-    def held(self) -> list[Sequence]:
-        return self.exporting + self.incoming
-
     def plan_imports(self, step: StepBuilder, running: list[Sequence], max_running: int) -> None:
         """Sequences handed over, in order, while blocks and running room last (an import never
         preempts): their blocks come in with the step, and their next row rides in it (a decode, or
@@ -121,7 +117,7 @@ class KvMoves:
 
     def drop_all(self) -> list[Sequence]:
         """The agent is gone: nobody reads or writes the moving sequences' slots; they are returned."""
-        seqs = self.held
+        seqs = self.exporting + self.incoming
         for s in seqs:
             self.handover.give(s.handover)
         self.exporting, self.incoming = [], []

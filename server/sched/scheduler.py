@@ -35,13 +35,12 @@ class Scheduler:
         in (`incoming`) and never runs a prompt."""
         self.cfg, self.role = cfg, role
         self.spec = SpecPolicy(cfg) if speculate else None
-        # Whether the agent computes a step's padding (AgentInfo.pads_cost): where it skips it, cutting
-        # a prompt to a bucket only splits it, and its tail waits for the next, often larger, step.
+        # the agent computes a step's padding (AgentInfo.pads_cost): else cutting a prompt to a bucket only delays its tail
         self.pads_cost = pads_cost
         # the prefix keys' root: what besides the tokens changes a block's KV
         salt = f"{cfg.model_name}|{cfg.model_path}|{cfg.model_cfg_path}|{cfg.model_dtype}|{cfg.kv_cache_dtype}"
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, salt)
-        self.waiting: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # oldest first, preempted ones in front
         self.running: list[Sequence] = []
         self.freed: list[int] = []  # ended since the last plan that was sent
         # totals, for metrics: preemptions, and KV tokens they threw away (to be computed again)
@@ -56,7 +55,7 @@ class Scheduler:
     @property
     def kv_tokens(self) -> int:
         """Tokens whose KV its sequences hold here (planned steps included)."""
-        return sum(seq.computed for seq in self.running + self.moves.held)
+        return sum(seq.computed for seq in self.running + self.moves.exporting + self.moves.incoming)
 
     @property
     def load(self) -> int:
@@ -123,7 +122,8 @@ class Scheduler:
         decoding = any(seq.remaining == 1 for seq in self.running)
         step = StepBuilder(self.cfg, self.cfg.token_budget if decoding else self.cfg.prefill_budget)
         self._plan_decodes(step)
-        self.moves.plan_imports(step, self.running, self.cfg.max_running)
+        if self.moves.incoming:  # handed over to this agent (server/sched/handover.py)
+            self.moves.plan_imports(step, self.running, self.cfg.max_running)
         if self.role != Role.DECODE:
             self._plan_started(step)
             plan_admissions(step, self.waiting, self.running, self.blocks, self.cfg)
