@@ -49,7 +49,7 @@ class SequenceState:
         for seq in seqs:
             self.histories.pop(seq, None)
             self.last.pop(seq, None)
-            if self.grammars is not None:
+            if self.grammars is not None and self.grammars.matchers:
                 self.grammars.free(seq)
             if self.dump is not None:
                 self.dump.forget(seq)
@@ -127,7 +127,7 @@ class SequenceState:
         seq_ids = v.inputs.seq_ids[rows]
         hist = [self.history(int(s)) for s in seq_ids]
         g = self.grammars
-        constrained = g.constrained(seq_ids) if g is not None else []
+        constrained = g.constrained(seq_ids) if g is not None and g.matchers else []  # none: no grammar code
         failed = g.mask(logits, constrained) if constrained else None
         cols = v.sampling.take(rows)
         if offset:
