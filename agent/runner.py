@@ -43,9 +43,11 @@ class ModelRunner:
         self.cfg, self.rc = model_cfg, rc
         self.lib = lib = kernels.library() if rc.native_kernels else None
         self.native_kernels = lib is not None
+        # the kernels' batch invariance is one setting per process: set before each graph call
+        self.deterministic_switch = kernels.deterministic_switch(lib) if lib is not None else None
         self.model = build_model(model_cfg, weights, rc, lib, calibration, lora)
         self.kv_dtype = self.model.kv_dtype
-        self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype, rc.int8_group)
+        self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype, rc.int8_group, rc.deterministic)
         self.graph = GraphCall(self.model)
         self.lora = lora
         self.seqs = SequenceState(seed)
@@ -71,6 +73,8 @@ class ModelRunner:
         from mindspore import Tensor
 
         self.compiled.add(g.shape)
+        if self.deterministic_switch is not None:
+            self.deterministic_switch(int(self.rc.deterministic))
         arrays = list(g[:6]) + ([self.lora.mask(g.adapters, g.tokens.shape[0])] if self.lora is not None else [])
         # Wrapped, not copied: the arrays are this call's own (docs/perf-notes.md).
         args = [Tensor.from_numpy(a) for a in arrays]

@@ -41,6 +41,7 @@ class RunnerConfig:
     int8_group: int = QUANT_GROUP_SIZE  # at most this many inputs per int8 scale (agent.model.quant.group_for; 0: 8 per row)
     tp: Group = Group()  # this runner's rank of a tensor-parallel group (agent.tensor_parallel)
     lora: tuple[int, int] = (0, 0)  # LoRA slots and rank (agent.model.lora): extra columns in every graph
+    deterministic: bool = False  # batch-invariant kernels (agent/kernels/deterministic.h)
 
     def __post_init__(self) -> None:
         self.token_buckets = sorted(set(self.token_buckets))
@@ -54,7 +55,7 @@ class RunnerConfig:
                    token_buckets=cfg.token_buckets, max_running=cfg.max_running, mixed_tokens=cfg.mixed_step_tokens,
                    prefill_rows=cfg.max_prefill_rows, model_dtype=cfg.model_dtype, kv_cache_dtype=cfg.kv_cache_dtype,
                    int8_group=int8_group(cfg.quant_group_size, cpu_flags()), tp=tp,
-                   lora=(cfg.max_loras, cfg.max_lora_rank) if cfg.lora_enabled else (0, 0))
+                   lora=(cfg.max_loras, cfg.max_lora_rank) if cfg.lora_enabled else (0, 0), deterministic=cfg.deterministic)
 
     @property
     def width(self) -> int:

@@ -85,6 +85,7 @@ class ServingConfig:
     warmup: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before
     overlap_steps: bool = True  # send step N+1 while step N runs (decodes fed by the agent's own samples)
+    deterministic: bool = False  # ours: batch-invariant kernels (a request's tokens and logprobs whatever else runs)
     request_log: str | None = None  # a JSON-lines file: every request's life-cycle timestamps
     agent_cores: list[list[int]] = field(default_factory=list)  # per agent; empty = spread over CPUs
     curve_keys: str | None = None  # CURVE key folder for tcp agents (shm/curve.py)

@@ -199,6 +199,10 @@ KEYS: list[Key] = [
         here="an idle keep-alive connection is closed after this many seconds"),
     Key(S, "warmup", "warmup", as_bool, here="build every graph before ready"),
     Key(S, "enable_prefix_caching", "enable_prefix_caching", as_bool, here="reuse KV blocks of a prompt prefix computed before"),
+    Key(S, "deterministic", "deterministic", as_bool,
+        here="ours: batch-invariant kernels: a request's tokens and logprobs do not depend on what else its steps hold "
+             "(float projections on one summation order at every row count, attention one token at a time); the cost "
+             "by CPU: docs/benchmarks.md, \"Batch invariance\""),
     Key(S, "overlap_steps", "overlap_steps", as_bool,
         here="send step N+1 while the agent runs step N (shortly before N is due to end, from each bucket's recent "
              "step times, so that N+1 takes the prompts that arrived meanwhile), its decodes fed by the agent's own "
@@ -253,8 +257,8 @@ KEYS: list[Key] = [
     # ---------------------------------------------------------------- speculative_config (vLLM's names)
     Key(X, "method", "spec_method", lower,
         here="ours: speculative decoding (`--speculative-config '{\"method\": \"ngram\"}'`), drafts verified in the "
-             "same step, exactly (greedy and seeded output token for token as without, in float32: bfloat16 is not "
-             "batch-invariant, docs/benchmarks.md; docs/protocol.md): `ngram` "
+             "same step, exactly (greedy and seeded output token for token as without, in every dtype with "
+             "`deterministic`: docs/protocol.md): `ngram` "
              "drafts from the sequence's own prompt and output (prompt lookup); `self_int8` from the served weights "
              "quantised to int8 (a float model_dtype); `draft` from `draft_model_path`, a smaller model with the same "
              "tokenizer. Drafting runs on the agent. Unset: off. vLLM's other methods (`eagle`, `mtp`, ...) are "

@@ -58,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump-every", type=positive, default=100, metavar="N", help="with --dump-logits (default 100)")
     ap.add_argument("--speculative-config", metavar="JSON", help="speculative_config as vLLM's JSON (as llm-serving's)")
     ap.add_argument("--lora-modules", nargs="+", metavar="NAME=FOLDER", help="serving_config.lora_modules (as llm-serving's)")
+    ap.add_argument("--deterministic", action="store_true", default=None, help="serving_config.deterministic (as llm-serving's)")
     args = ap.parse_args(argv)
     agent_env(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # agents reload the config with these
     overrides = {k: v for k, v in (("model_dtype", args.model_dtype), ("kv_cache_dtype", args.kv_cache_dtype),
-                                   ("agent_bind", args.bind),
-                                   ("device", args.device)) if v}
+                                   ("agent_bind", args.bind), ("device", args.device),
+                                   ("deterministic", args.deterministic)) if v}
     try:
         if args.speculative_config:
             overrides.update(speculative_overrides(args.speculative_config))

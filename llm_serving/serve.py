@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
                     "run the model (agent i on start_device_id + i)")
     ap.add_argument("--no-overlap", dest="overlap_steps", action="store_false", default=None,
                     help="serving_config.overlap_steps: false (one step in flight at a time)")
+    ap.add_argument("--deterministic", action="store_true", default=None,
+                    help="serving_config.deterministic: batch-invariant kernels (docs/config.md)")
     ap.add_argument("--speculative-config", metavar="JSON", help="speculative_config as vLLM's JSON, e.g. "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/config.md)")
     ap.add_argument("--lora-modules", nargs="+", metavar="NAME=FOLDER", help="serving_config.lora_modules: PEFT "
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = {k: getattr(args, k) for k in ("model_path", "model_dtype", "kv_cache_dtype", "server_ip", "server_port",
                                                "overlap_steps", "web_ui", "device", "device_memory", "max_loras", "enable_lora",
-                                               "max_lora_rank", "routing")
+                                               "max_lora_rank", "routing", "deterministic")
                  if getattr(args, k) is not None}
     if args.dump_logits:  # every prompt fed from its first token, as the contest's agent fed it (its files' names)
         overrides["enable_prefix_caching"] = False

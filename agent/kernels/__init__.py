@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -157,13 +157,24 @@ def _build(cxx: str, flags: list[str], srcs: list[Path], link: list[str], out: s
         subprocess.run([cxx, *flags, "-o", out, *objects, *link], check=True, capture_output=True, text=True)
 
 
-def kernel_paths(lib: str | None, dtype: str, int8_group: int = 0) -> str:
+def kernel_paths(lib: str | None, dtype: str, int8_group: int = 0, deterministic: bool = False) -> str:
     """The path the projections of `dtype` take with this build on this CPU (int8 per channel where
-    `int8_group` is -1: the implementation oneDNN picked)."""
+    `int8_group` is -1: the implementation oneDNN picked), and what batch invariance changes."""
     if lib is None:
         return "plain MindSpore ops (native kernels off)"
     cap = apply_isa_cap()
-    return (f"{ISA_ENV}={cap}: " if cap else "") + _paths(ctypes.CDLL(lib), dtype, int8_group)
+    cdll = ctypes.CDLL(lib)
+    fixed = ""
+    if deterministic:
+        cdll.DeterministicPath.restype = ctypes.c_char_p
+        fixed = "; " + cdll.DeterministicPath().decode()
+    return (f"{ISA_ENV}={cap}: " if cap else "") + _paths(cdll, dtype, int8_group) + fixed
+
+
+def deterministic_switch(lib: str) -> Callable[[int], None]:
+    """The kernels' batch-invariance switch (serving_config.deterministic; agent/kernels/deterministic.h):
+    one per process, which a runner sets before each of its graph calls."""
+    return ctypes.CDLL(lib).SetDeterministic
 
 
 def _paths(cdll: ctypes.CDLL, dtype: str, int8_group: int) -> str:

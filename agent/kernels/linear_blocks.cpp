@@ -35,6 +35,7 @@
 #include <tuple>
 #include <vector>
 
+#include "deterministic.h"
 #include "dnnl.h"
 #include "linear.h"
 #include "parallel.h"
@@ -150,18 +151,66 @@ void block_rows(const float *x, int64_t k, const typename W::T *blk, float *y, i
 
 #if defined(__AVX512F__)
 constexpr int ROWS = 4;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int ROWS = 6;
+
+// AVX2, R rows: the block as four 16-column slices, 2R accumulators each (R = 6: 12 of 16 registers,
+// 2 weight loads and 6 broadcasts per 12 FMAs, where one row at a time loads a weight per FMA). Every
+// output still sums its k products in order, one FMA each from zero: the bits of block_rows<1>.
+template <int R, typename W>
+void slice_rows(const float *x, int64_t k, const typename W::T *blk, float *y, int64_t ldy) {
+  for (int64_t j0 = 0; j0 < NB; j0 += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+      const typename W::T *row = blk + i * NB + j0;
+      const __m256 w0 = W::widen8(row), w1 = W::widen8(row + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * k + i]);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * ldy + j0, acc[r][0]);
+      _mm256_storeu_ps(y + r * ldy + j0 + 8, acc[r][1]);
+    }
+  }
+}
 #else
 constexpr int ROWS = 1;
 #endif
 
-// Blocks [b, e) of the streaming loop, ROWS rows at a time.
+// ROWS rows of a block at once (one row: block_rows' eight accumulators hide the FMA latency).
+template <typename W>
+inline void tile_rows(const float *x, int64_t k, const typename W::T *blk, float *y, int64_t ldy) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  slice_rows<ROWS, W>(x, k, blk, y, ldy);
+#else
+  block_rows<ROWS, W>(x, k, blk, y, ldy);
+#endif
+}
+
+// Blocks [b, e) of the streaming loop, ROWS rows at a time. AVX2's slices only where the loop takes
+// every row count (deterministic.h): below ONEDNN_MIN_M rows, a decode step's weights come from DRAM,
+// where the one-row loop's sequential read held its own (Zen 3, fp32, 8 rows: 41-50 ms against 50-54).
 template <typename W>
 void stream_blocks(const float *x, int64_t m, int64_t k, int64_t n, const typename W::T *w, float *y, int64_t b,
                    int64_t e) {
+#if defined(__AVX512F__)
+  const bool tiles = true;
+#else
+  const bool tiles = ROWS > 1 && kernels::deterministic();
+#endif
   for (int64_t blk = b; blk < e; ++blk) {
     const typename W::T *wb = w + blk * k * NB;
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    if (tiles && m >= ROWS)  // front to back into L2 once: the slices read it at a 4-line stride, 4 times
+      for (int64_t off = 0; off < k * NB * static_cast<int64_t>(sizeof(*wb)); off += 64)
+        _mm_prefetch(reinterpret_cast<const char *>(wb) + off, _MM_HINT_T1);
+#endif
     int64_t r = 0;
-    for (; r + ROWS <= m; r += ROWS) block_rows<ROWS, W>(x + r * k, k, wb, y + r * n + blk * NB, n);
+    for (; tiles && r + ROWS <= m; r += ROWS) tile_rows<W>(x + r * k, k, wb, y + r * n + blk * NB, n);
     for (; r < m; ++r) block_rows<1, W>(x + r * k, k, wb, y + r * n + blk * NB, n);
   }
 }
@@ -302,8 +351,9 @@ int blocks_path(const float *x, int64_t m, int64_t k, int64_t blocks, const type
   std::atomic<int> status{0};
   // Chunks of CB blocks, each thread's front to back, the late one's tail taken by the other. oneDNN's
   // path below keeps one range a thread: its primitives are built per range shape during warm-up.
+  const bool stream = m < ONEDNN_MIN_M || kernels::deterministic();
   kernels::parallel_chunks(blocks, CB, [&](int64_t b, int64_t e) {
-    if (m < ONEDNN_MIN_M) stream_blocks<W>(x, m, k, blocks * NB, w, y, b, e);
+    if (stream) stream_blocks<W>(x, m, k, blocks * NB, w, y, b, e);
     else if (convert_blocks<W>(x, m, k, blocks * NB, w, y, b, e)) status.store(1);
   });
   return status;
@@ -323,7 +373,7 @@ int kernels::linear_blocks(const float *x, int64_t m, int64_t k, int64_t blocks,
                            float *y) {
   if (kind == Weights::F32) {
     const float *wf = static_cast<const float *>(w);
-    if (m >= ONEDNN_MIN_M && onednn_path(dnnl_f32, x, m, k, blocks, w, y) == 0) return 0;
+    if (m >= ONEDNN_MIN_M && !kernels::deterministic() && onednn_path(dnnl_f32, x, m, k, blocks, w, y) == 0) return 0;
     return blocks_path<F32W>(x, m, k, blocks, wf, y);  // few rows, or oneDNN failed: widen = copy
   }
   const uint16_t *wh = static_cast<const uint16_t *>(w);
@@ -333,7 +383,8 @@ int kernels::linear_blocks(const float *x, int64_t m, int64_t k, int64_t blocks,
   thread_local std::vector<float> xr;
   xb.resize(m * k);
   for (int64_t i = 0; i < m * k; ++i) xb[i] = f32_to_bf16(x[i]);
-  if (m >= ONEDNN_MIN_M && native_bf16(probe_impl())) return onednn_path(dnnl_bf16, xb.data(), m, k, blocks, w, y);
+  if (m >= ONEDNN_MIN_M && !kernels::deterministic() && native_bf16(probe_impl()))
+    return onednn_path(dnnl_bf16, xb.data(), m, k, blocks, w, y);
   xr.resize(m * k);
   for (int64_t i = 0; i < m * k; ++i) xr[i] = bf16_to_f32(xb[i]);
   return blocks_path<Bf16W>(xr.data(), m, k, blocks, wh, y);
@@ -366,6 +417,15 @@ extern "C" const char *F16KernelPath() {
 extern "C" const char *F32KernelPath() {
   static const std::string path = std::string("fp32: weights in 64-column blocks; below ") + std::to_string(ONEDNN_MIN_M) +
                                   " rows: streaming loop (" + STREAM_ISA + "); more: oneDNN batched matmul";
+  return path.c_str();
+}
+
+// serving_config.deterministic (deterministic.h), for this process; the paths it takes instead.
+extern "C" void SetDeterministic(int on) { kernels::deterministic_flag().store(on != 0); }
+
+extern "C" const char *DeterministicPath() {
+  static const std::string path = std::string("deterministic: float projections on the streaming loop (") + STREAM_ISA +
+                                  ") at every row count; attention one token at a time over its keys in order";
   return path.c_str();
 }
 

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "deterministic.h"
 #include "dnnl.h"
 #include "kv_rows.h"
 #include "parallel.h"
@@ -513,9 +514,10 @@ int run(void **params, int64_t **shapes, float *out, int64_t window) {
   // long run.
   struct Task { int64_t t0, t1, g, g0, g1; };
   std::vector<Task> tasks;
+  const bool fixed = kernels::deterministic();  // each token its own pass over its keys, in order
   for (int64_t t0 = 0, t1; t0 < a.n; t0 = t1) {
     for (t1 = t0 + 1; t1 < a.n && a.rows[t1] == a.rows[t0]; ++t1) {}
-    if (t1 - t0 < GEMM_MIN_QUERIES) {
+    if (t1 - t0 < GEMM_MIN_QUERIES || fixed) {
       for (int64_t t = t0; t < t1; ++t) tasks.push_back({t, t + 1, -1, 0, a.kv});
       continue;
     }
@@ -529,7 +531,7 @@ int run(void **params, int64_t **shapes, float *out, int64_t window) {
   // after the head split (with the key blocks above): llama2-7B's 32 KV heads of 128, bf16 KV
   // 5.6-6.4 -> 2.5-2.9 ms, fp32 7.9-8.9 -> 4.0-5.2 ms; SmolLM2 fp32 0.34 -> 0.19 ms.
   const int64_t cores = kernels::pinned_cores();
-  if (static_cast<int64_t>(tasks.size()) < cores && a.n == 1 && tasks[0].g < 0 && a.kv % cores &&
+  if (!fixed && static_cast<int64_t>(tasks.size()) < cores && a.n == 1 && tasks[0].g < 0 && a.kv % cores &&
       (a.hd == 64 || a.hd == 128) && visible(a, 0) - first(a, 0) >= cores * SPLIT_KEYS) {
     const int64_t heads = a.kv * a.grp;
     thread_local std::vector<float> parts;  // each part's o, then each part's stats

@@ -87,7 +87,8 @@ async def info(f: Frontend = Depends(Frontend.of)) -> dict[str, Any]:
             "agents": f.engine.memory(), "max_input_tokens": f.cfg.max_model_len - 1,
             "max_total_tokens": f.cfg.max_model_len, "max_concurrent_requests": f.cfg.max_queue,
             "max_batch_total_tokens": f.cfg.token_budget, "router": "llm-serving", "version": "0.1.0",
-            "kernels": f.engine.agent_info().kernels}  # ours: the agents' projection paths
+            "kernels": f.engine.agent_info().kernels,  # ours: the agents' projection paths
+            "deterministic": "deterministic:" in f.engine.agent_info().kernels}  # ours: batch-invariant kernels
 
 
 @router.post("/tokenize")

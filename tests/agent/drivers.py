@@ -23,12 +23,12 @@ PLAIN_BUCKETS = [64]
 
 
 def make_runner(weights, block_size: int, num_blocks: int = 0, native: bool = True,
-                dtype: str = "float32", kv_dtype: str = "auto") -> ModelRunner:
+                dtype: str = "float32", kv_dtype: str = "auto", deterministic: bool = False) -> ModelRunner:
     setup_mindspore()
     num_blocks = num_blocks or 1 + 4 * (-(-128 // block_size)) + 8
     rc = RunnerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=128,
                       token_buckets=TOKEN_BUCKETS if native else PLAIN_BUCKETS, max_running=16, native_kernels=native,
-                      model_dtype=dtype, kv_cache_dtype=kv_dtype)
+                      model_dtype=dtype, kv_cache_dtype=kv_dtype, deterministic=deterministic)
     runner = ModelRunner(tiny_model_config(), weights, rc)
     assert runner.native_kernels == native  # CI machines have a C++ compiler: the kernels must build
     runner.warmup()
