@@ -139,6 +139,9 @@ def test_a_drain_moves_running_streams_with_their_kv(dp, undisturbed):
         answers: list[dict] = []
         drainers = [threading.Thread(target=lambda: answers.append(
             httpx.post(f"{srv.url}/admin/agents/{port}/drain", timeout=300).json())) for _ in range(2)]
+        # A request on agent 0 (its prefix is cached there) just before the pause: its idle heartbeat
+        # is then heartbeat_s away, so none is in flight to a stopped agent, holding every step back.
+        _complete(srv.url, PROMPTS[3])
         with srv.agents_paused():
             runner.start()
             srv.stats_until(lambda s: s["running"] > 0)
