@@ -173,6 +173,9 @@ class ModelRunner:
 def build_model(model_cfg: ModelConfig, weights: dict[str, Any], rc: RunnerConfig, lib: Any,
                 calibration: list[int] | None, lora: LoraSlots | None) -> DecoderModel:
     """This rank's share of the model on its backend (dtype, kernels, KV dtype, int8 smoothing, LoRA slots)."""
+    if rc.deterministic and lib is None:
+        raise ValueError("serving_config.deterministic needs the native kernels (a C++ compiler, LLM_SERVING_NATIVE not "
+                         "0, a CPU device): the plain-MindSpore path's MatMuls sum in an order that follows the row count")
     if rc.lora != ((lora.slots, lora.rank) if lora else (0, 0)):  # the compile-cache key names rc's
         raise ValueError(f"RunnerConfig.lora {rc.lora}: the model's LoRA slots and rank differ")
     if lora is not None:  # tensor parallel: each adapter split as its base projections are

@@ -47,6 +47,9 @@ def check_together(c: ServingConfig) -> None:
     if len(c.agent_ports) % c.tensor_parallel_size:
         raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size}: must divide the "
                           f"{len(c.agent_ports)} agent_ports (consecutive ports form a model's ranks)")
+    if c.device != "CPU" and c.deterministic:
+        raise ConfigError(f"serving_config.deterministic on {c.device}: the batch-invariant kernels are the native CPU "
+                          "ones; the plain MindSpore path other devices run sums in an order that follows the row count")
     if c.device != "CPU" and c.model_dtype not in ("float32", "float16"):  # agent.model.backend.PLAIN_DTYPES
         raise ConfigError(f"model_dtype {c.model_dtype} on {c.device}: the plain MindSpore path other devices run "
                           "holds float32 or float16 weights")

@@ -69,3 +69,13 @@ def test_every_family_gives_the_same_bits_alone_and_among_others(folder):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, 250, int(n)).tolist() for n in rng.integers(20, 120, 8)]
     assert compare(runner, prompts, 16, SamplingParams(logprobs=5)) == (8, 8)
+
+
+def test_without_the_native_kernels_it_is_refused():
+    """The plain MindSpore path cannot keep the promise: refused at load, not served variant."""
+    cfg = ModelConfig(vocab_size=272, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
+                      rms_eps=1e-5, rope_theta=10000.0, max_position=MAX_LEN, bos_token_id=256, eos_token_ids=[257])
+    rc = RunnerConfig(num_blocks=64, block_size=BS, max_model_len=MAX_LEN, token_buckets=[64], max_running=4,
+                      native_kernels=False, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic needs the native kernels"):
+        ModelRunner(cfg, random_weights(cfg, seed=3), rc)

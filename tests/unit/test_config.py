@@ -223,3 +223,15 @@ def test_agent_roles_from_yaml_and_the_command_line_and_their_refusals(tmp_path)
     path.write_text("serving_config:\n  agent_ports: [7001, 7002]\n  agent_roles: [1, 2]\n")
     with pytest.raises(ConfigError, match=re.escape("agent_roles = [1, 2]: must be a list of roles (both, prefill, decode)")):
         load_config(path)
+
+
+def test_deterministic_from_yaml_and_the_command_line_and_off_the_cpu_refused(tmp_path):
+    from common.config import ConfigError, load_config
+    from llm_serving.serve import parser
+
+    path = tmp_path / "c.yaml"
+    path.write_text("serving_config:\n  deterministic: true\n")
+    assert load_config(path).deterministic and not load_config(None).deterministic
+    assert parser().parse_args(["--deterministic"]).deterministic is True
+    with pytest.raises(ConfigError, match="deterministic on Ascend: the batch-invariant kernels are the native CPU"):
+        load_config(path, device="Ascend")
