@@ -27,8 +27,9 @@ BUCKETS = [1, 8, 64, 256, 1024]
 class Seq:
     """One sequence as a scheduler would drive it: its prompt, the blocks it owns, what it sampled."""
 
-    def __init__(self, sid: int, prompt: list[int], first_block: int, blocks: int, new: int = NEW):
+    def __init__(self, sid: int, prompt: list[int], first_block: int, blocks: int, new: int = NEW, adapter: int = 0):
         self.sid, self.prompt, self.tokens, self.fed, self.new = sid, prompt, list(prompt), 0, new
+        self.adapter = adapter  # its LoRA adapter's slot + 1 (0: the base model)
         self.table = list(range(first_block, first_block + blocks))
         self.out: list[tuple[int, bytes, list[int], bytes]] = []  # token, its logprob, top ids, top logprobs
 
@@ -52,7 +53,8 @@ def run_steps(runner: Any, seqs: list[Seq], chunk: int, params: Any, preempt_at:
         for s in live:
             n = min(chunk, len(s.tokens) - s.fed)
             rows.append(RowInput(s.sid, np.asarray(s.tokens[s.fed:s.fed + n], np.int32), s.fed, s.table,
-                                 s.fed + n == len(s.tokens), params, len(s.prompt), len(s.tokens) - len(s.prompt)))
+                                 s.fed + n == len(s.tokens), params, len(s.prompt), len(s.tokens) - len(s.prompt),
+                                 adapter=s.adapter))
         v = arena.step(arena.write_step(rows, BS))
         runner.step(v, [])
         o = v.outputs
@@ -64,21 +66,24 @@ def run_steps(runner: Any, seqs: list[Seq], chunk: int, params: Any, preempt_at:
 
 
 def compare(runner: Any, prompts: list[list[int]], chunk: int, params: Any, seed: int = 5,
-            preempt_at: int = 0) -> tuple[int, int]:
+            preempt_at: int = 0, adapters: list[int] | None = None) -> tuple[int, int]:
     """(prompts whose tokens agree, prompts whose tokens and logprobs agree bit for bit): each alone,
-    prefilled whole, against all of them among ROWS - len(prompts) random sequences, in chunks."""
+    prefilled whole, against all of them among ROWS - len(prompts) random sequences, in chunks.
+    `adapters`: each prompt's LoRA adapter (slot + 1); then the others take random slots too."""
     blocks = runner.rc.width
+    adapters = adapters or [0] * len(prompts)
     alone = []
     for i, p in enumerate(prompts):
-        s = Seq(i, p, 1, blocks)
+        s = Seq(i, p, 1, blocks, adapter=adapters[i])
         run_steps(runner, [s], len(p), params)
         alone.append(s.out)
         runner.seqs.free([i])
     rng = np.random.default_rng(seed)
     vocab = runner.cfg.vocab_size
+    slots = max(adapters)
     others = [Seq(1000 + j, rng.integers(1, vocab - 16, int(rng.integers(2, 12))).tolist(), 1 + (len(prompts) + j) * blocks,
-                  blocks, OTHERS_NEW) for j in range(ROWS - len(prompts))]
-    mixed = [Seq(i, p, 1 + i * blocks, blocks) for i, p in enumerate(prompts)]
+                  blocks, OTHERS_NEW, int(rng.integers(0, slots + 1))) for j in range(ROWS - len(prompts))]
+    mixed = [Seq(i, p, 1 + i * blocks, blocks, adapter=a) for i, (p, a) in enumerate(zip(prompts, adapters))]
     run_steps(runner, mixed + others, chunk, params, preempt_at)
     runner.seqs.free([s.sid for s in mixed + others])
     tokens = sum([t for t, *_ in a] == [t for t, *_ in s.out] for a, s in zip(alone, mixed))

@@ -4,8 +4,8 @@ Eight prompts, each alone and prefilled whole, against the same prompts among 56
 bit for bit, in float32, bfloat16 and int8, greedy and seeded, and after a preemption
 (tools/bench_invariance.py's comparison, on a small random model whose heads are 64 wide: the
 attention kernel's vector path, whose one-sequence decode would split its keys over the cores, and
-one context past the split's threshold of 2 cores x 64 keys); and in float32 on each family's fixture
-(sliding windows, q/k norms, Gemma 3's layers)."""
+one context past the split's threshold of 2 cores x 64 keys); in float32 on each family's fixture
+(sliding windows, q/k norms, Gemma 3's layers); and on LoRA adapters, float32 and int8."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +18,9 @@ from agent.runner_config import RunnerConfig
 from agent.weights.load import load_model
 from common.model_files import ModelFiles
 from server.sampling_params import SamplingParams
-from tests.agent.goldens import FIXTURES
+from agent.lora import read_adapter
+from agent.model.lora import LoraSlots
+from tests.agent.goldens import ADAPTERS, FIXTURES, LORA
 from tests.reference import random_weights
 from tools.bench_invariance import BS, BUCKETS, ROWS, compare
 
@@ -26,11 +28,12 @@ MAX_LEN = 256
 FAMILIES = ["gemma3-pattern-tf5", "llama3-tf5", "ministral-tf5", "mistral-window-tf5", "qwen2-window-tf5", "qwen3-tf5"]
 
 
-def _runner(cfg: ModelConfig, weights: dict, dtype: str = "float32") -> ModelRunner:
+def _runner(cfg: ModelConfig, weights: dict, dtype: str = "float32", lora: LoraSlots | None = None) -> ModelRunner:
     setup_mindspore()
     rc = RunnerConfig(num_blocks=1 + ROWS * (MAX_LEN // BS), block_size=BS, max_model_len=MAX_LEN, token_buckets=BUCKETS,
-                      max_running=ROWS, model_dtype=dtype, deterministic=True)
-    runner = ModelRunner(cfg, weights, rc, calibration=list(range(1, 200)) if dtype == "int8" else None)
+                      max_running=ROWS, model_dtype=dtype, deterministic=True,
+                      lora=(lora.slots, lora.rank) if lora else (0, 0))
+    runner = ModelRunner(cfg, weights, rc, calibration=list(range(1, 200)) if dtype == "int8" else None, lora=lora)
     runner.warmup(freeze=False)
     return runner
 
@@ -69,6 +72,19 @@ def test_every_family_gives_the_same_bits_alone_and_among_others(folder):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, 250, int(n)).tolist() for n in rng.integers(20, 120, 8)]
     assert compare(runner, prompts, 16, SamplingParams(logprobs=5)) == (8, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_requests_on_lora_adapters_give_the_same_bits_alone_and_among_others(dtype):
+    """Two adapters in slots (PEFT's fixtures on the tiny Llama) and the base: each prompt on its own
+    adapter, the others on random ones, every row of a step on its slot."""
+    base = FIXTURES / "llama-tf5"
+    cfg, weights = load_model(ModelFiles("hf", base), max_position=MAX_LEN, int8=dtype == "int8")
+    lora = LoraSlots([read_adapter(name, LORA / "llama-tf5" / name, cfg, 16) for name in ADAPTERS], 2, 16)
+    runner = _runner(cfg, weights, dtype, lora)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(1, 250, int(n)).tolist() for n in rng.integers(20, 120, 8)]
+    assert compare(runner, prompts, 16, SamplingParams(logprobs=5), adapters=[i % 3 for i in range(8)]) == (8, 8)
 
 
 def test_without_the_native_kernels_it_is_refused():
