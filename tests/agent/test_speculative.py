@@ -56,13 +56,16 @@ def test_drafts_change_no_token(spec_runner, params):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_drafts_change_no_token_in_every_dtype_with_deterministic_kernels(tiny_weights, dtype):
     """A verify row of 1 + k tokens is a batch of its own: with batch-invariant kernels its logits are
-    plain decoding's in every dtype, so the drafts change no token (float32 above, without them)."""
+    plain decoding's in every dtype, so n-gram and int8 self-drafts change no token (float32 above,
+    without them)."""
     runner = make_runner(tiny_weights, 16, dtype=dtype, deterministic=True)
-    runner.use_proposer(NgramProposer(1, 3))
     params = SamplingParams(logprobs=3)
     want = [SpecDriver(runner, params, 0).run([p], 24, seq0=100 + i)[0] for i, p in enumerate(LOOPY)]
-    driver = SpecDriver(runner, params, 3)
-    assert driver.run(LOOPY, 24, seq0=300) == want and driver.accepted > 0
+    int8 = make_runner(tiny_weights, 16, num_blocks=runner.rc.num_blocks, dtype="int8", deterministic=True)
+    for seq0, proposer in ((300, NgramProposer(1, 3)), (400, DraftModelProposer(int8, "self_int8"))):
+        runner.use_proposer(proposer)
+        driver = SpecDriver(runner, params, 3)
+        assert driver.run(LOOPY, 24, seq0=seq0) == want and driver.accepted > 0, proposer.method
 
 
 # ------------------------------------------------------------------ draft models (self_int8, draft)
