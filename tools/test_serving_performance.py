@@ -34,8 +34,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-
-from tools import precision
+if not __package__:  # run by path, as the contest ran it: tools/ is the checkout's, not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import precision  # noqa: E402
 
 DATASET = "./alpaca_5010.json"
 LOG = logging.getLogger("test_llama")
