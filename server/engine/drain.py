@@ -45,9 +45,6 @@ class Drains:
     def holds_steps(self) -> bool:
         return False
 
-    def turn(self) -> None:
-        self.check()
-
     def agent_back(self, msg: AgentBack) -> None:  # a restarted agent is undrained by the supervisor
         pass
 
@@ -87,7 +84,7 @@ class Drains:
     def _resume(self, lane: AgentLane, done: Future) -> None:
         """Schedule there again; a drain still moving its sequences ends, saying what it moved."""
         lane.sched.moves.draining = False
-        self.check()
+        self.turn()
         done.set_result({"port": self._port(lane), "draining": False})
 
     def _refusal(self, lane: AgentLane) -> str | None:
@@ -98,7 +95,7 @@ class Drains:
                     "no other live agent would take its prompts or its decodes")
         return None
 
-    def check(self) -> None:
+    def turn(self) -> None:
         """Drains whose agent holds nothing now, was resumed, or went down meanwhile are done."""
         for index, (waiting, moved) in list(self.pending.items()):
             lane = self.lanes[index]

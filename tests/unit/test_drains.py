@@ -39,10 +39,10 @@ def test_two_drains_of_one_agent_share_one_answer():
     drains, lanes = _drains()
     lanes[0].sched.load = 3
     first, second = _ask(drains, 7001), _ask(drains, 7001)
-    drains.check()
+    drains.turn()
     assert not first.done() and not second.done()
     lanes[0].sched.load, lanes[0].sched.moves.moved = 0, 3
-    drains.check()
+    drains.turn()
     assert first.result(0) == second.result(0) == {"port": 7001, "draining": True, "state": "live", "moved": 3}
 
 
@@ -62,7 +62,7 @@ def test_an_agent_going_down_mid_drain_is_said_and_one_down_is_not_drained():
     drain = _ask(drains, 7001)
     assert drains.draining() == [7001]
     lanes[0].state, lanes[0].live, lanes[0].why = LaneState.RECOVERING, False, "killed"
-    drains.check()
+    drains.turn()
     assert "went down during the drain (killed)" in drain.result(0)["note"]
     with pytest.raises(DrainError, match="is recovering .* takes work again when it is back"):
         _ask(drains, 7001).result(0)
