@@ -40,7 +40,7 @@ def load_runner(cfg: ServingConfig, index: int, owner_pid: int | None,
     if not cfg.num_blocks:  # num_blocks: auto and no launcher sized it (an agent started by itself)
         log.info("memory plan:\n%s", memory_plan(cfg, files, 1).describe())
     int8 = cfg.model_dtype == "int8"
-    model_cfg, weights = load_model(files, cfg.max_model_len, int8=int8)
+    model_cfg, weights = load_model(files, cfg.max_model_len, int8=int8, blocks=cfg.model_dtype == "gguf")
     log.info("weights loaded in %.1fs from %s (%d layers, hidden %d, vocab %d)", time.monotonic() - t0, files.path,
              model_cfg.num_layers, model_cfg.hidden_size, model_cfg.vocab_size)
     tp = cfg.tensor_parallel_size

@@ -48,6 +48,8 @@ class ModelRunner:
         self.model = build_model(model_cfg, weights, rc, lib, calibration, lora)
         self.kv_dtype = self.model.kv_dtype
         self.kernel_paths = kernels.kernel_paths(lib, rc.model_dtype, rc.int8_group, rc.deterministic)
+        if types := self.model.block_types():  # gguf: which block types run so
+            self.kernel_paths += f" ({types})"
         self.graph = GraphCall(self.model)
         self.lora = lora
         self.seqs = SequenceState(seed)

@@ -53,8 +53,11 @@ def check_together(c: ServingConfig) -> None:
     if c.device != "CPU" and c.model_dtype not in ("float32", "float16"):  # agent.model.backend.PLAIN_DTYPES
         raise ConfigError(f"model_dtype {c.model_dtype} on {c.device}: the plain MindSpore path other devices run "
                           "holds float32 or float16 weights")
-    if c.tensor_parallel_size > 1 and c.model_dtype == "int8":
-        raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype int8: "
+    if c.model_dtype == "gguf" and c.lora_enabled:
+        raise ConfigError("lora_config with model_dtype gguf: LoRA adapters run on float32, bfloat16, float16 or int8 "
+                          "bases, not yet on gguf blocks")
+    if c.tensor_parallel_size > 1 and c.model_dtype in ("int8", "gguf"):
+        raise ConfigError(f"serving_config.tensor_parallel_size = {c.tensor_parallel_size} with model_dtype {c.model_dtype}: "
                           "tensor parallelism runs float32, bfloat16 or float16 weights")
     if c.spec_method is not None and c.spec_method not in METHODS:
         raise ConfigError(f"speculative_config.method = {c.spec_method!r}: this server drafts with "

@@ -82,7 +82,9 @@ KEYS: list[Key] = [
              "`fp16`, `DataType.FLOAT16`: f16 weights, fp32 activations) or `int8` (also `DataType.INT8`, `w8a8`): "
              "projections and LM head as W8A8 in a native kernel (AVX2 `vpmaddubsw`, VNNI when the CPU has it), "
              "SmoothQuant-calibrated at load, norms/rope/attention/sampling in fp32, KV cache int8 (`auto`); GGUF `Q8_0` weights are "
-             "used as stored (groups of 32). Needs the native kernels (a C++ compiler). Other values are warned about "
+             "used as stored (groups of 32); or `gguf`: a GGUF file's quantised matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+             "Q4_K, Q5_K, Q6_K, as the file mixes them) kept as stored, embedding and LM head included (README, "
+             "\"GGUF as stored\"). Needs the native kernels (a C++ compiler). Other values are warned about "
              "and run float32"),
     Key(M, "kv_cache_dtype", "kv_cache_dtype", lower, lambda v: v in KV_CACHE_DTYPES, "one of " + ", ".join(KV_CACHE_DTYPES),
         here="ours (vLLM's `--kv-cache-dtype`): `auto` (the weights' 16-bit dtype, i.e. `bfloat16` with bfloat16 "

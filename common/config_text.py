@@ -15,7 +15,7 @@ def _value_notices(mc: dict[str, Any], sc: dict[str, Any]) -> list[str]:
         out.append(f"model_config.batching_strategy {mc['batching_strategy']!r}: only continuous batching is served")
     if mc.get("page_attention", True) in (False, "False", "false"):
         out.append("model_config.page_attention False: the KV cache is always paged")
-    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32 + INT8 + BFLOAT16 + FLOAT16:
+    if "model_dtype" in mc and str(mc["model_dtype"]).lower() not in FLOAT32 + INT8 + BFLOAT16 + FLOAT16 + ("gguf",):
         out.append(f"model_config.model_dtype {mc['model_dtype']!r}: the model runs in float32 on this server "
                    "(bfloat16, float16 and int8 are the other choices)")
     if mc.get("backend") not in (None, "", "mindspore"):

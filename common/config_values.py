@@ -147,10 +147,10 @@ def as_blocks(v: Any) -> int:
 
 
 def model_dtype(value: Any) -> str:
-    """The dtype the model runs in for a `model_dtype` value: "int8", "bfloat16" or "float16" for
-    their spellings, else float32 (other values get a notice)."""
+    """The dtype the model runs in for a `model_dtype` value: "int8", "bfloat16", "float16" or "gguf"
+    for their spellings, else float32 (other values get a notice)."""
     v = str(value).lower()
-    return "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float16" if v in FLOAT16 else "float32"
+    return "gguf" if v == "gguf" else "int8" if v in INT8 else "bfloat16" if v in BFLOAT16 else "float16" if v in FLOAT16 else "float32"
 
 
 def lower(value: Any) -> str:

@@ -28,6 +28,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     max_position: int = 4096
+    stored_bytes: int = 0  # a GGUF file's tensors as stored (model_dtype gguf holds them so)
 
     def rank(self, tp: int) -> "ModelShape":
         """One tensor-parallel rank's share (agent/tensor_parallel.py): its heads, KV heads (at least
@@ -67,7 +68,8 @@ def _llama_ffn(hidden: int, multiple_of: int, multiplier: float | None) -> int:
 def _gguf_shape(path: Path) -> ModelShape:
     from common.gguf_file import GgufFile
 
-    f = GgufFile(path).meta
+    file = GgufFile(path)
+    f = file.meta
     arch = f["general.architecture"]
     if why := unsupported_family(arch, gguf=True):
         raise ConfigError(why)
@@ -79,7 +81,7 @@ def _gguf_shape(path: Path) -> ModelShape:
     vocab = get("vocab_size") or len(f["tokenizer.ggml.tokens"])
     return ModelShape(vocab, hidden, get("feed_forward_length"), get("block_count"), heads,
                       get("attention.head_count_kv", heads), get("attention.key_length") or hidden // heads,
-                      get("context_length", 4096))
+                      get("context_length", 4096), sum(t.n_bytes for t in file.tensors))
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> str:
@@ -94,20 +96,25 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: str, native: bool = True) -> 
     if not native and kv_cache_dtype == "auto":  # the plain path: float16 weights keep a float16 cache
         return "float16" if model_dtype == "float16" else "float32"
     if kv_cache_dtype == "auto":
-        return {"bfloat16": "bfloat16", "float16": "float16", "int8": "int8"}.get(model_dtype, "float32")
+        return {"bfloat16": "bfloat16", "float16": "float16", "int8": "int8", "gguf": "bfloat16"}.get(model_dtype, "float32")
     return kv_cache_dtype
 
 
 def weight_bytes(s: ModelShape, dtype: str, tp: int = 1) -> int:
     """The weights as agent.model.norms stores them (one copy each, on every path): projections and LM
     head in `dtype` (int8: plus a float32 scale per 64 inputs; float formats: each width padded to
-    the kernels' 64-column blocks), the embedding and rope tables in float32."""
+    the kernels' 64-column blocks), the embedding and rope tables in float32; gguf: the file's tensors
+    as stored, a float32 factor per output row, and the rope tables."""
+    rope = 2 * s.max_position * s.head_dim * 4
+    if dtype == "gguf":
+        rows = s.layers * (s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 2 * s.inter + 2 * s.hidden) + s.vocab
+        return s.stored_bytes + 4 * rows + rope
     per = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0 + 4 / 64}[dtype]
     pad = (lambda n: n) if dtype == "int8" else (lambda n: -(-n // 64) * 64)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     layer = s.hidden * (pad(q + 2 * kv) + pad(2 * s.inter)) + (q + s.inter) * pad(s.hidden)
     head = s.hidden * pad(-(-s.vocab // tp))  # a rank's vocabulary shard
-    return int((s.layers * layer + head) * per + s.vocab * s.hidden * 4 + 2 * s.max_position * s.head_dim * 4)
+    return int((s.layers * layer + head) * per + s.vocab * s.hidden * 4 + rope)
 
 
 def lora_bytes(s: ModelShape, slots: int, rank: int, dtype: str) -> int:

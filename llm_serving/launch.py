@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="launch_agents", description=__doc__)
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--verbose", action="store_true", help="MindSpore's own log on the console too")
-    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "float16", "int8"], help="model_config.model_dtype")
+    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "float16", "int8", "gguf"], help="model_config.model_dtype")
     ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                     help="model_config.kv_cache_dtype")
     ap.add_argument("--dump-logits", metavar="DIR", help="the contest's precision files (as llm-serving's)")

@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llm-serving", description="LLM inference server on MindSpore")
     ap.add_argument("--config", help="serving YAML (original llm-serving keys)")
     ap.add_argument("--model", dest="model_path", help="a packaged model (smollm2, gemma3-270m), a .gguf file, a HF folder or a .ckpt")
-    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "float16", "int8"],
+    ap.add_argument("--dtype", dest="model_dtype", choices=["float32", "bfloat16", "float16", "int8", "gguf"],
                     help="model_config.model_dtype: bfloat16 keeps projection and LM head weights 16-bit, "
                          "int8 runs them as W8A8")
     ap.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],

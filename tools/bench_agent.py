@@ -171,7 +171,8 @@ class Bench:
                               max_model_len=self.max_len, token_buckets=self.batches + [args.prefill],
                               max_running=max(self.batches), model_dtype=dtype, kv_cache_dtype=kv or "auto",
                               int8_group=int(group or QUANT_GROUP_SIZE))
-            self.runners[v] = ModelRunner(self.cfg, self.weights, rc, calibration=calibration)
+            weights = load_model(files, max_position=self.max_len, blocks=True)[1] if dtype == "gguf" else self.weights
+            self.runners[v] = ModelRunner(self.cfg, weights, rc, calibration=calibration)
             print(f"{v}: weights {self.runners[v].model.weight_bytes / 2**20:.0f} MiB")
         self.arena = Arena.private(ArenaSpec(max(self.batches) + args.prefill, max(self.batches), self.per_seq))
         self.greedy = SamplingParams()

@@ -56,7 +56,7 @@ def build_runner(model: str, dtype: str, max_len: int = WINDOW, max_rows: int = 
 
     setup_mindspore()
     files = resolve_model(model)
-    cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8")
+    cfg, weights = load_model(files, max_position=max_len, int8=dtype == "int8", blocks=dtype == "gguf")
     # A pool for what runs: one corpus window, or every greedy prompt's few blocks (the whole
     # max_rows x max_len pool took seconds to zero per runner).
     blocks = 1 + max(max_len // BLOCK, len(PROMPTS) * GREEDY_BLOCKS)

@@ -161,7 +161,7 @@ def _gemma3_keys(writer: Any, cfg: ModelConfig) -> None:
 
 def write_gguf(path: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, dtype: str) -> None:
     """A GGUF of the model's architecture (llama for Llama and Mistral, qwen2, qwen3, gemma3: f32, f16 or
-    q8_0 matrices; norms and biases stay f32, as llama.cpp's converter does), tensors named by the
+    q8_0, q4_0, q4_1, q5_0, q5_1 matrices (the gguf package's quantisers; K-quants need llama.cpp's); norms and biases stay f32, as llama.cpp's converter does), tensors named by the
     gguf package's own map (llama.cpp's), with the tokenizer fields copied from `tokenizer_gguf`."""
     import gguf
 
@@ -182,8 +182,8 @@ def write_gguf(path: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, d
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(
-        dtype, gguf.LlamaFileType.ALL_F32))
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else
+                         getattr(gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}", gguf.LlamaFileType.ALL_F32))
     src = gguf.GGUFReader(str(tokenizer_gguf))
     f = src.fields
     writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
@@ -201,7 +201,7 @@ def write_gguf(path: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, d
     if "tokenizer.chat_template" in f:
         writer.add_chat_template(f["tokenizer.chat_template"].contents())
     names = [k for k in w if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    quant = getattr(gguf.GGMLQuantizationType, dtype.upper(), None) if dtype.startswith("q") else None
 
     if arch == "gemma3":
         _gemma3_keys(writer, cfg)
@@ -229,15 +229,16 @@ def write_gguf(path: Path, cfg: ModelConfig, w: Weights, tokenizer_gguf: Path, d
         arr, kind = w[name], gguf_name(name).split(".")[-2]
         if arch == "llama" and kind in ("attn_q", "attn_k") and name.endswith(".weight"):
             arr = permute_qk(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-        if dtype == "q8_0" and arr.ndim == 2:
-            return gguf.quants.quantize(np.asarray(arr, np.float32), q8)
+        if quant is not None and arr.ndim == 2:
+            return gguf.quants.quantize(np.asarray(arr, np.float32), quant)
         return np.ascontiguousarray(arr, np.float16 if dtype == "f16" and arr.ndim == 2 else np.float32)
 
     for name in names:  # tensor infos first, from shapes alone; then the data, one tensor at a time
         shape = w.shape(name) if isinstance(w, LazyWeights) else w[name].shape
-        if dtype == "q8_0" and len(shape) == 2:  # 32 values per 34-byte block (f16 scale + 32 x int8)
-            raw = (shape[0], shape[1] // 32 * 34)
-            writer.add_tensor_info(gguf_name(name), raw, np.dtype(np.uint8), raw[0] * raw[1], raw_dtype=q8)
+        if quant is not None and len(shape) == 2:  # the rows' blocks, as bytes
+            per, size = gguf.GGML_QUANT_SIZES[quant]
+            raw = (shape[0], shape[1] // per * size)
+            writer.add_tensor_info(gguf_name(name), raw, np.dtype(np.uint8), raw[0] * raw[1], raw_dtype=quant)
         else:
             item = np.dtype(np.float16 if dtype == "f16" and len(shape) == 2 else np.float32)
             writer.add_tensor_info(gguf_name(name), shape, item, int(np.prod(shape)) * item.itemsize)
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=12)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--max-position", type=int, default=2048)
-    ap.add_argument("--gguf", default="f32,f16", help="GGUF variants to write (f32, f16, q8_0; empty: none)")
+    ap.add_argument("--gguf", default="f32,f16", help="GGUF variants to write (f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1; empty: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 

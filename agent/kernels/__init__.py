@@ -185,6 +185,8 @@ def _paths(cdll: ctypes.CDLL, dtype: str, int8_group: int) -> str:
 
     if dtype == "int8" and int8_group == -1:  # the down projection keeps groups (agent.model.fusion.kind_group)
         return f"{path('Int8ChannelKernelPath')}; down projection in groups: {path('Int8KernelPath')}"
+    if dtype == "gguf":
+        return path("GgufKernelPath")
     return path({"int8": "Int8KernelPath", "bfloat16": "Bf16KernelPath", "float16": "F16KernelPath",
                  "float32": "F32KernelPath"}[dtype])
 
@@ -196,6 +198,7 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
     slot); every decoder layer as one op; RMSNorm / SwiGLU / a gained RMSNorm each as one op instead of 4-5; the tensor-parallel collectives over
     shared memory (`tp_size` ranks)."""
     from mindspore import ops
+    from mindspore.common import dtype as mstype
 
     def custom(name: str, out_shape: Any, out_dtype: Any) -> Any:
         return ops.Custom(f"{lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
@@ -217,6 +220,13 @@ def custom_ops(lib: str, tp_size: int = 1) -> dict[str, Any]:
         "add_rms_linear_i8": custom("AddRmsLinearInt8", lambda x, d, e, w, sw, *a: (x, [x[0], sw[0] + _rows(a[1:])]),
                                     pair),
         "swiglu_linear_i8": custom("SwiGluLinearInt8", lambda gu, c, w, sw, *a: [gu[0], sw[0] + _rows(a[1:])], same),
+        # GGUF blocks as stored (linear_gguf.cpp): w, seg, rs [N], g after the inputs
+        "linear_gguf": custom("LinearGguf", lambda x, w, seg, rs, g: [x[0], rs[0]], same),
+        "add_rms_linear_gguf": custom("AddRmsLinearGguf", lambda x, d, e, w, seg, rs, g: (x, [x[0], rs[0]]), pair),
+        "swiglu_linear_gguf": custom("SwiGluLinearGguf", lambda gu, c, w, seg, rs, g: [gu[0], rs[0]], same),
+        "rope_attention_linear_gguf": writes_memory(custom("RopeAttentionLinearGguf",
+                                                           lambda qkv, *a: [qkv[0], a[11][0]], same)),
+        "embed_gguf": custom("EmbedGguf", lambda t, w, seg, scale: [t[0], scale[0]], lambda *_: mstype.float32),
         "rms": custom("RmsNorm", same, same),
         "add_rms": custom("AddRmsNorm", pair, pair),
         "swiglu": custom("SwiGlu", lambda gu, c: [gu[0], gu[1] // 2], same),

@@ -117,3 +117,13 @@ extern "C" int RopeAttentionLinearInt8(int nparam, void **params, int *ndims, in
                                        void *stream, void *extra) {
   return nparam >= ATTN_INPUTS + 4 && nparam <= ATTN_INPUTS + 6 ? attention_then(LinearInt8, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
 }
+
+extern "C" int LinearGguf(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra);
+
+// The same with an output projection on GGUF blocks as stored. Inputs: RopeAttention's 10, then w, seg,
+// rs, g (linear_gguf.cpp). Output: [n, N].
+extern "C" int RopeAttentionLinearGguf(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                       void *stream, void *extra) {
+  return nparam == ATTN_INPUTS + 5 ? attention_then(LinearGguf, nparam, params, ndims, shapes, dtypes, stream, extra) : 1;
+}

@@ -7,15 +7,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
+import mindspore as ms
 from mindspore import nn
 
 from agent.model.attention import NativeAttention, PlainAttention
 from agent.kernels import custom_ops
-from agent.model.params import DTYPES, KV_DTYPES, WEIGHT_BLOCK
+from agent.model.params import DTYPES, KV_DTYPES, WEIGHT_BLOCK, param
 from agent.model.collectives import Alone, CommCollectives, ShmCollectives
 from agent.model.norms import NativeNorms, PlainNorms
 from agent.model.linear import LAYER_KINDS, Bf16Linear, F16Linear, F32Linear, Int8Linear, LayerWeights, PlainF16Linear, PlainLinear, Projection
-from agent.model.fusion import fp32_projections, int8_projections, lm_head
+from agent.model.embedding import BlockEmbedding, TableEmbedding, embedding_scale
+from agent.model.fusion import embedding, fp32_projections, gguf_projections, int8_projections, lm_head
+from agent.model.linear_gguf import GgufLinear
 from agent.model_config import ModelConfig
 from common.config import QUANT_GROUP_SIZE
 
@@ -47,8 +50,10 @@ class Backend:
                              "has no bfloat16 MatMul on CPU)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)} or auto")
-        if self.tp_size > 1 and self.dtype == "int8":
+        if self.tp_size > 1 and self.dtype in ("int8", "gguf"):
             raise ValueError("tensor_parallel_size > 1 runs a float model_dtype (float32, bfloat16, float16)")
+        if self.lora is not None and self.dtype == "gguf":
+            raise ValueError("LoRA adapters run on float32, bfloat16, float16 or int8 bases, not on gguf blocks yet")
         if self.kv_dtype not in PLAIN_DTYPES and self.lib is None:
             raise ValueError(f"kv_cache_dtype {self.kv_dtype} needs the native kernels (paged attention reads "
                              "bfloat16 and int8 KV there); the plain-MindSpore path keeps float32 or float16")
@@ -69,7 +74,7 @@ class Backend:
         kind's weights and the KV caches stacked. Not on the plain path, tensor parallel (partial
         sums are combined between a layer's parts) or float weights padded to whole blocks (the
         padding would have to be cut between the parts)."""
-        if self.lib is None or self.tp_size > 1:
+        if self.lib is None or self.tp_size > 1 or self.dtype == "gguf":  # gguf: layers' sizes differ
             return False
         widths = self.widths(cfg)
         return self.dtype == "int8" or all(widths[n] % WEIGHT_BLOCK == 0 for n in LAYER_KINDS)
@@ -101,26 +106,50 @@ class Backend:
     def projection_cls(self) -> type[Projection]:
         if self.lib is None:
             return PlainF16Linear if self.dtype == "float16" else PlainLinear
-        return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear}[self.dtype]
+        return {"float32": F32Linear, "bfloat16": Bf16Linear, "float16": F16Linear, "int8": Int8Linear,
+                "gguf": GgufLinear}[self.dtype]
+
+    def embedding(self, cfg: ModelConfig, w: dict[str, Any], k: dict[str, Any]) -> tuple[nn.Cell, Any]:
+        """The embedding's cell, and what a tied LM head is made of: the float table, or (gguf) the cell
+        itself, whose blocks the head then reads."""
+        if self.dtype == "gguf":
+            cell = BlockEmbedding(w["model.embed_tokens.weight"], embedding_scale(cfg), k)
+            return cell, cell
+        table = embedding(w).astype(np.float32, copy=False)
+        return TableEmbedding(table, embedding_scale(cfg)), table
 
     def projections(self, cfg: ModelConfig, w: dict[str, Any], attn_scale: float, norms: nn.Cell,
-                    k: dict[str, Any], embed: np.ndarray | None = None) -> dict[str, Projection]:
-        """qkv, o, gate_up, down and head (from `embed` when tied and given), converted one layer at a
-        time (a large model never holds a second full copy)."""
+                    k: dict[str, Any], embed: Any = None) -> dict[str, Projection]:
+        """qkv, o, gate_up, down and head (from `embed` when tied and given: `embedding`'s second
+        item), converted one layer at a time (a large model never holds a second full copy)."""
         cls = self.projection_cls
         stacked = self.one_op(cfg)
         kinds = {name: LayerWeights(name, cfg.num_layers, stacked) for name in LAYER_KINDS}
         for i, layer in enumerate(self._prepared(cfg, w, attn_scale)):
             for name, prep in layer.items():
                 kinds[name].add(i, cls.stored(prep))
-        head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group, embed)
-        kinds["head"] = LayerWeights("head", 1, False)
-        # int8 applies the final norm's gain where it quantises; float weights fold it into the head
-        kinds["head"].add(0, cls.stored((head, gain) if self.dtype == "int8" else head * gain[None, :]))
         widths = self.widths(cfg)
-        return {name: cls(norms, lw.parameters(), k, widths[name]) for name, lw in kinds.items()}
+        out = {name: cls(norms, lw.parameters(), k, widths[name]) for name, lw in kinds.items()}
+        out["head"] = self._head(cfg, w, norms, k, embed)
+        return out
+
+    def _head(self, cfg: ModelConfig, w: dict[str, Any], norms: nn.Cell, k: dict[str, Any], embed: Any) -> Projection:
+        cls, lw = self.projection_cls, LayerWeights("head", 1, False)
+        gain = np.asarray(w["model.norm.weight"], np.float32)
+        if isinstance(embed, BlockEmbedding):  # tied: the embedding's own blocks, not a copy
+            rs, g = (param(f"head0_{s}", a) for s, a in ((2, np.ones(cfg.vocab_size, np.float32)), (3, gain)))
+            return cls(norms, [ms.ParameterTuple([p]) for p in (embed.w, embed.seg, rs, g)], k, self.head_width(cfg))
+        if self.dtype == "gguf":
+            lw.add(0, cls.stored(([w["lm_head.weight"]], [1.0], gain)))
+        else:
+            head, gain = lm_head(cfg, w, self.dtype == "int8", self.ranges, self.int8_group, embed)
+            # int8 applies the final norm's gain where it quantises; float weights fold it into the head
+            lw.add(0, cls.stored((head, gain) if self.dtype == "int8" else head * gain[None, :]))
+        return cls(norms, lw.parameters(), k, self.head_width(cfg))
 
     def _prepared(self, cfg: ModelConfig, w: dict[str, Any], attn_scale: float) -> Iterator[dict[str, Any]]:
+        if self.dtype == "gguf":
+            return gguf_projections(cfg, w, attn_scale)
         if self.dtype == "int8":
             return int8_projections(cfg, w, attn_scale, self.ranges, self.int8_group, self.lora)
         return fp32_projections(cfg, w, attn_scale, self.lora)

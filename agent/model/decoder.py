@@ -9,7 +9,6 @@ other write form copies the whole cache each step.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -17,9 +16,10 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from agent.model.backend import Backend
+from agent.model.blocks import type_counts
 from agent.model.params import KV_DTYPES, param, zeros_param
 from agent.model.linear import LayerWeights
-from agent.model.fusion import embedding, layer_prologues, post_gain_offset, row_scale
+from agent.model.fusion import layer_prologues, post_gain_offset, row_scale
 from agent.model.lora import LoraExpand, b_stacks
 from agent.model_config import ModelConfig, rope_tables
 from common.memory import kv_head_bytes
@@ -41,8 +41,8 @@ class DecoderModel(nn.Cell):
         self.norms = backend.norms(cfg, k)
         self.attn = backend.attention(cfg, block_size, k)
         attn_scale = cfg.scale
-        embed = embedding(weights).astype(np.float32, copy=False)
-        proj = backend.projections(cfg, weights, attn_scale, self.norms, k, embed if cfg.tie_word_embeddings else None)
+        self.embedding, tied = backend.embedding(cfg, weights, k)
+        proj = backend.projections(cfg, weights, attn_scale, self.norms, k, tied if cfg.tie_word_embeddings else None)
         self.qkv, self.o, self.gate_up, self.down, self.head = (proj[n] for n in ("qkv", "o", "gate_up", "down", "head"))
         self.comm = backend.collectives(cfg, k)  # tensor parallel: partial sums and vocabulary shards combined
         # LoRA: each projection's output then carries every slot's x·A too (agent.model.lora)
@@ -54,7 +54,6 @@ class DecoderModel(nn.Cell):
             prologues.add(i, (pro,))
         self.prologue = prologues.parameters()[0]
         self.post_gains = post_gain_offset(cfg)  # where a prologue's output-norm gains start (sandwich norms)
-        self.embed = param("embed", embed * np.float32(math.sqrt(cfg.hidden_size)) if cfg.family.embed_scale else embed)
         cos, sin = rope_tables(cfg)
         self.cos_table, self.sin_table = param("cos_table", cos), param("sin_table", sin)
         row = kv_head_bytes(cfg.head_dim, backend.kv_dtype) // np.dtype(KV_DTYPES[backend.kv_dtype]).itemsize
@@ -79,7 +78,14 @@ class DecoderModel(nn.Cell):
         """Weight bytes every decode step reads: all but the embedding table (one row per token)
         and the rope tables."""
         skip = ("embed", "cos_table", "sin_table", "_cache")
-        return sum(p.nbytes for p in self.get_parameters() if not any(s in p.name for s in skip))
+        head = {id(p) for p in self.head.get_parameters()}  # a tied gguf head reads the embedding's blocks
+        return sum(p.nbytes for p in self.get_parameters() if id(p) in head or not any(s in p.name for s in skip))
+
+    def block_types(self) -> str:
+        """model_dtype gguf: how many tensors of each block type the projections and head hold ('' otherwise)."""
+        kinds = [t for p in (self.qkv, self.o, self.gate_up, self.down, self.head) if hasattr(p, "block_types")
+                 for t in p.block_types()]
+        return type_counts(kinds) if kinds else ""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -94,7 +100,7 @@ class DecoderModel(nn.Cell):
         log-probabilities without a second pass over the vocabulary). With LoRA, `lora_mask` [T, slots]:
         each token's adapter slot, one-hot (zeros: the base model)."""
         c = self.attn.context(positions, token_rows, block_tables, self.cos_table, self.sin_table)
-        x = ops.gather(self.embed, tokens, 0)
+        x = self.embedding(tokens)
         if self.one_op_stack and self.lora is None:
             h = self.stack_op(x, *self.attn.shared(c, slots), self.norms.eps, self.k_cache, self.v_cache, self.prologue,
                               *self.qkv.every_layer(), *self.o.every_layer(), *self.gate_up.every_layer(),

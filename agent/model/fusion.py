@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+from agent.model.blocks import BlockRows
 from agent.model.quant import CHANNEL, Int8Rows, concat, quantize, smoothing
 from agent.model_config import ModelConfig, Weights
 from common.config import QUANT_GROUP_SIZE
@@ -37,7 +38,7 @@ def _gains(cfg: ModelConfig, w: Weights, i: int) -> dict[str, np.ndarray]:
 
 
 def _float(m: Any) -> np.ndarray:
-    return m.dequantize() if isinstance(m, Int8Rows) else m
+    return m.dequantize() if isinstance(m, (Int8Rows, BlockRows)) else m
 
 
 def row_scale(cfg: ModelConfig, attn_scale: float) -> float:
@@ -144,6 +145,17 @@ def int8_projections(cfg: ModelConfig, w: Weights, attn_scale: float, ranges: di
                 a = lora.a_rows(i, name, gain.shape[0])[:lora.extra(name, padded=False)]
                 out[name] += (a * gain[None, :],)
         yield out
+
+
+def gguf_projections(cfg: ModelConfig, w: Weights, attn_scale: float) -> Iterator[dict[str, tuple]]:
+    """Per layer, each projection's (blocks of its tensors as stored, each tensor's row factor, the
+    norm gain in front): the attention scale stays a factor on the query rows, the gain one on the
+    input, so the blocks are used as the file has them."""
+    attn_scale = row_scale(cfg, attn_scale)
+    for i in range(cfg.num_layers):
+        gains = _gains(cfg, w, i)
+        yield {name: (parts, [attn_scale if name == "qkv" and j == 0 else 1.0 for j in range(len(parts))], gains[name])
+               for name, parts in _layer_mats(w, i).items()}
 
 
 def lm_head(cfg: ModelConfig, w: Weights, int8: bool, ranges: dict[str, list[np.ndarray]] | None = None,

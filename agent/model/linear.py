@@ -139,6 +139,19 @@ class NativeLinear(Projection):
         """The stacked weights, input by input (the stack op's layout)."""
         raise NotImplementedError
 
+    def linear(self, x: Tensor, i: int) -> Tensor:
+        return self.op(x, *self.weights(i))
+
+    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
+        return self.add_rms_op(x, delta, self.norms.eps, *self.weights(i))
+
+    def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
+        return self.swiglu_op(gu, self.norms.eps, *self.weights(i))
+
+    def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
+        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache, pro), *self.weights(i))
+
 
 class F32Linear(NativeLinear):
     """fp32 weights in column blocks [N/64, K, 64] (agent/kernels/linear_blocks.cpp): a streaming
@@ -251,16 +264,3 @@ class Int8Linear(NativeLinear):
         a = self.layer_view(i, 3)
         first = start - (self.width - a.shape[0])  # A's rows follow the weight's own output columns
         a[first:first + rows.shape[0]] = rows
-
-    def linear(self, x: Tensor, i: int) -> Tensor:
-        return self.op(x, *self.weights(i))
-
-    def add_norm_linear(self, x: Tensor, delta: Tensor, i: int) -> tuple:
-        return self.add_rms_op(x, delta, self.norms.eps, *self.weights(i))
-
-    def swiglu_linear(self, gu: Tensor, i: int) -> Tensor:
-        return self.swiglu_op(gu, self.norms.eps, *self.weights(i))
-
-    def attention_linear(self, attn: nn.Cell, qkv: Tensor, c: tuple, slots: Tensor, k_cache: Tensor,
-                         v_cache: Tensor, pro: Tensor, i: int) -> Tensor:
-        return self.attn_op(*attn.inputs(qkv, c, slots, k_cache, v_cache, pro), *self.weights(i))

@@ -9,7 +9,7 @@ from mindspore import Parameter, Tensor
 from agent.kernels import line_aligned
 
 WEIGHT_BLOCK = 64  # output columns per weight block (agent/kernels/linear_blocks.cpp); LoRA's extra rows come in whole blocks
-DTYPES = ("float32", "bfloat16", "float16", "int8")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "gguf")
 # KV cache dtypes and how they are stored (MindSpore CPU has no bfloat16 storage: its bits as uint16;
 # an int8 head row carries its float32 scale in 4 more bytes: common.memory.kv_head_bytes)
 KV_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16, "int8": np.int8}

@@ -14,6 +14,7 @@ import numpy as np
 from agent.weights.families import FAMILIES, UnsupportedModel, check_tensors
 from agent.weights.lazy import LazyWeights
 from agent.model_config import ModelConfig
+from agent.model.blocks import BLOCK_TYPES, TYPE_NAMES, BlockRows
 from agent.model.quant import from_q8_0
 from common.gguf_file import GgufFile
 from common.model_files import GGUF_ARCHITECTURES, ModelFiles, unsupported_family
@@ -42,11 +43,18 @@ def unpermute_rows(rows: int, n_heads: int) -> np.ndarray:
     return np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def read_tensor(t: Any, int8: bool = False) -> Any:
-    """A GGUF tensor as float32 [rows, cols] (numpy order), or Int8Rows for a Q8_0 matrix when int8."""
+def read_tensor(t: Any, int8: bool = False, blocks: bool = False) -> Any:
+    """A GGUF tensor as float32 [rows, cols] (numpy order), or Int8Rows for a Q8_0 matrix when int8,
+    or (`blocks`: model_dtype gguf) a matrix's blocks as stored (BlockRows)."""
     import gguf
 
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
+    if blocks and len(shape) == 2:
+        if int(t.tensor_type) not in BLOCK_TYPES:
+            raise UnsupportedModel(f"{t.name} is {t.tensor_type.name}: model_dtype gguf reads "
+                                   f"{', '.join(TYPE_NAMES.values())} blocks as stored; serve this file in float32, "
+                                   "bfloat16 or int8")
+        return BlockRows(int(t.tensor_type), np.array(t.data, np.uint8).reshape(shape[0], -1), shape[1])
     if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
         blocks = np.asarray(t.data, np.uint8).reshape(-1, 34)  # per 32 values: f16 scale, 32 x int8
         d = np.ascontiguousarray(blocks[:, :2]).view(np.float16)[:, 0]
@@ -59,7 +67,8 @@ def read_tensor(t: Any, int8: bool = False) -> Any:
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
 
 
-def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[ModelConfig, LazyWeights]:
+def load_gguf(files: ModelFiles, int8: bool = False, blocks: bool = False) -> tuple[ModelConfig, LazyWeights]:
+    """`blocks`: the matrices as stored (model_dtype gguf); `int8`: Q8_0 matrices as int8 rows."""
     import gguf
 
     reader = GgufFile(files.path)
@@ -88,7 +97,7 @@ def load_gguf(files: ModelFiles, int8: bool = False) -> tuple[ModelConfig, LazyW
             rows, ours = None, f"{_TOP[parts[0]]}.{parts[1]}"
         else:
             ours, rows = f"(gguf) {name}", None  # reported by check_tensors as unread
-        weights.add(ours, lambda t=t, rows=rows: _unpermuted(reader, t, int8, rows))
+        weights.add(ours, lambda t=t, rows=rows: _unpermuted(reader, t, int8, rows, blocks))
     check_tensors(cfg, weights, files.path.name)
     return cfg, weights
 
@@ -136,7 +145,10 @@ def gemma3_sliding(pattern: Any, layers: int) -> list[bool]:
     return [(i + 1) % period != 0 for i in range(layers)]
 
 
-def _unpermuted(reader: GgufFile, t: Any, int8: bool, heads: int | None) -> Any:
-    arr = read_tensor(t, int8)
+def _unpermuted(reader: GgufFile, t: Any, int8: bool, heads: int | None, blocks: bool) -> Any:
+    arr = read_tensor(t, int8, blocks)
     reader.drop_pages(t)
-    return arr if heads is None else arr[unpermute_rows(arr.shape[0], heads)]
+    if heads is None:
+        return arr
+    order = unpermute_rows(arr.shape[0], heads)
+    return arr.take(order) if isinstance(arr, BlockRows) else arr[order]

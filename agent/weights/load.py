@@ -18,6 +18,7 @@ import numpy as np
 import yaml
 
 from agent.weights.families import check_tensors, hf_config
+from agent.weights.families import UnsupportedModel
 from agent.weights.gguf import load_gguf
 from agent.weights.lazy import LazyWeights
 from agent.model_config import ModelConfig, Weights
@@ -33,9 +34,14 @@ _MF_TOP = {"model.tok_embeddings.embedding_weight": "model.embed_tokens.weight",
            "model.norm_out.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
-def load_model(files: ModelFiles, max_position: int | None = None, int8: bool = False) -> tuple[ModelConfig, Weights]:
+def load_model(files: ModelFiles, max_position: int | None = None, int8: bool = False,
+               blocks: bool = False) -> tuple[ModelConfig, Weights]:
+    """`int8`: Q8_0 matrices kept as int8 rows; `blocks` (model_dtype gguf): a GGUF file's matrices as stored."""
     if files.kind == "gguf":
-        cfg, weights = load_gguf(files, int8)
+        cfg, weights = load_gguf(files, int8, blocks)
+    elif blocks:
+        raise UnsupportedModel(f"model_dtype gguf serves a GGUF file's quantised blocks as stored; {files.path} is "
+                               "not a .gguf (float32, bfloat16, float16 or int8 serve it)")
     else:
         cfg, weights = {"hf": _load_hf, "mindformers": _load_mindformers}[files.kind](files)
     if max_position:

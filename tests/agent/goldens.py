@@ -22,7 +22,7 @@ from tests.helpers import ROOT
 BLOCK, MAX_LEN = 16, 64
 FIXTURES = ROOT / "tests" / "fixtures" / "families"
 FOLDERS = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").exists())
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3, "int8": 6e-2, "int8:-1": 6e-2, "q8_0": 8e-2}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3, "int8": 6e-2, "int8:-1": 6e-2, "q8_0": 8e-2, "gguf": 6e-2}
 
 
 def golden(folder: str) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -35,7 +35,7 @@ def runner_for(folder: str, dtype: str = "float32", native: bool = True, files: 
     setup_mindspore()
     files = files or ModelFiles("hf", FIXTURES / folder)
     dtype, _, group = dtype.partition(":")  # int8:-1: per-channel int8
-    cfg, weights = load_model(files, max_position=MAX_LEN, int8=dtype == "int8")
+    cfg, weights = load_model(files, max_position=MAX_LEN, int8=dtype == "int8", blocks=dtype == "gguf")
     rc = RunnerConfig(num_blocks=1 + 4 * (MAX_LEN // BLOCK), block_size=BLOCK, max_model_len=MAX_LEN,
                       token_buckets=[4, 32] if native else [32],  # one plain graph: each takes seconds to build
                       max_running=4, native_kernels=native, model_dtype=dtype,

@@ -72,7 +72,7 @@ def test_no_import_climbs_a_layer():
 ROOMS = {  # agent's rooms -> the agent modules they may import (their own room aside)
     "agent.model_config": set(),  # at the bottom: every part of the model takes one
     "agent.model": {"agent.model_config", "agent.kernels"},
-    "agent.weights": {"agent.model_config", "agent.model.quant"},
+    "agent.weights": {"agent.model_config", "agent.model.quant", "agent.model.blocks"},  # the formats stored rows keep
     "agent.lora": {"agent.model_config", "agent.weights", "agent.model.lora"},  # adapter files, into the model's slots
     # proposers and the verification: what a step and its sequences are, and a draft model's own runner
     "agent.speculative": {"agent.runner_config", "agent.sequences", "agent.sampling", "agent.logits_dump",
